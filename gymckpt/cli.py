@@ -1,0 +1,286 @@
+"""The ``gymckpt`` command: verify and inspect checkpoints offline, run the demo.
+
+Exit codes: 0 clean, 1 damage found (errors), 2 usage error or unreachable storage.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import click
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from gymckpt._version import __version__
+from gymckpt.errors import GymckptError, InvalidCheckpointState
+from gymckpt.store.backend import join
+from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
+from gymckpt.store.codec import encode_record
+from gymckpt.store.manifest import MANIFEST_NAME, Manifest
+from gymckpt.store.verify import NoCheckpointFound, Severity, scan_checkpoints, verify
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from gymckpt.store.verify import VerifyReport
+
+EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
+
+_stdout = Console()
+_stderr = Console(stderr=True)
+
+
+def _storage_options(endpoint_url: str | None, options: tuple[str, ...]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected KEY=VALUE, got {option!r}", param_hint="--storage-option")
+        parsed[key] = value
+    if endpoint_url:
+        parsed["endpoint_url"] = endpoint_url
+    return parsed
+
+
+def _storage_arguments(command: Any) -> Any:
+    command = click.option(
+        "--storage-option",
+        "-o",
+        "storage_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Option for the object-storage filesystem (repeatable), e.g. -o key=AKIA… -o secret=….",
+    )(command)
+    return click.option(
+        "--endpoint-url",
+        metavar="URL",
+        envvar="GYMCKPT_ENDPOINT_URL",
+        help="S3-compatible endpoint, e.g. http://127.0.0.1:9000. Credentials also come from AWS_* variables.",
+    )(command)
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> None:
+    _stderr.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gymckpt")
+def main() -> None:
+    """Partial-rollout checkpointing for RL environment servers.
+
+    \b
+    gymckpt verify ./checkpoints/ckpt-7        check a checkpoint offline
+    gymckpt inspect ./checkpoints/ckpt-7       list its participants
+    gymckpt demo                               write, verify and restore a sample checkpoint
+    """
+
+
+@main.command("verify")
+@click.argument("url")
+@click.option("--quick", is_flag=True, help="Skip re-hashing records files: check manifests, presence and sizes only.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@_storage_arguments
+def verify_command(url: str, quick: bool, as_json: bool, endpoint_url: str | None, storage_option: tuple[str, ...]) -> None:
+    """Check one checkpoint directory, or every checkpoint under URL, without any server.
+
+    \b
+    URL is a local path, file://, or s3://bucket/prefix.
+    Exit status: 0 clean (warnings allowed), 1 errors found, 2 usage error or unreachable storage.
+    """
+    options = _storage_options(endpoint_url, storage_option)
+    show_progress = not as_json and _stderr.is_terminal
+    try:
+        with _progress(show_progress) as advance:
+            report = verify(url, quick=quick, progress=advance, **options)
+    except NoCheckpointFound as exc:
+        _fail(str(exc))
+    except (GymckptError, OSError) as exc:
+        _fail(f"cannot read {url}: {exc}")
+    if as_json:
+        sys.stdout.write(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        _print_report(report)
+    sys.exit(EXIT_OK if report.ok else EXIT_DAMAGED)
+
+
+class _progress:
+    """A progress bar on a terminal; a no-op callback elsewhere."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Progress | None = None
+        self.task: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return None
+        self.bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=_stderr,
+            transient=True,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task("verifying", total=None)
+        return self.advance
+
+    def advance(self, done: int, total: int) -> None:
+        assert self.bar is not None
+        self.bar.update(self.task, advance=done, total=total)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _print_report(report: VerifyReport) -> None:
+    if report.findings:
+        table = Table(title=f"Findings for {report.url}", show_lines=False)
+        for column in ("severity", "finding", "participant", "path", "detail"):
+            table.add_column(column, overflow="fold")
+        for finding in report.findings:
+            style = "bold red" if finding.severity is Severity.ERROR else "yellow"
+            table.add_row(
+                f"[{style}]{finding.severity}[/]",
+                finding.code,
+                finding.participant,
+                finding.path,
+                finding.detail + (f"\nfix: {finding.fix}" if finding.fix else ""),
+            )
+        _stdout.print(table)
+    mode = "sizes only (--quick)" if report.quick else f"{report.records_checked} records re-read and hashed"
+    _stdout.print(
+        f"{len(report.checkpoints)} checkpoint(s), {len(report.participants)} participant(s), "
+        f"{_human(report.bytes_checked)} checked, {mode}: "
+        f"{len(report.errors)} error(s), {len(report.warnings)} warning(s)",
+        highlight=False,
+    )
+    if report.ok:
+        _stdout.print("[bold green]OK[/]" + (" (warnings are leftovers, safe to clean up)" if report.warnings else ""))
+    else:
+        _stdout.print("[bold red]DAMAGED[/]: do not restore from the checkpoints listed above")
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"  # pragma: no cover
+
+
+@main.command("inspect")
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
+@click.option("--dump", metavar="KIND/INSTANCE", help="Write this participant's records to stdout as JSONL.")
+@click.option("--episode", "episodes", multiple=True, metavar="ID", help="With --dump: only these episodes.")
+@_storage_arguments
+def inspect_command(
+    url: str,
+    as_json: bool,
+    dump: str | None,
+    episodes: tuple[str, ...],
+    endpoint_url: str | None,
+    storage_option: tuple[str, ...],
+) -> None:
+    """List participants, record counts, sizes, episodes and extra fields under URL.
+
+    With --dump, stream one participant's records (verified) as JSONL instead.
+    """
+    options = _storage_options(endpoint_url, storage_option)
+    try:
+        backend = backend_for_url(url, **options)
+        checkpoints = scan_checkpoints(backend.walk_files(""))
+    except (GymckptError, OSError) as exc:
+        _fail(f"cannot read {url}: {exc}")
+    if not checkpoints:
+        _fail(f"no checkpoint (no gym/ directory) under {url}")
+    if dump is not None:
+        _dump(CheckpointStore(backend), checkpoints, dump, episodes)
+        return
+    rows = list(_listing(backend, checkpoints))
+    if as_json:
+        sys.stdout.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return
+    table = Table(title=f"Checkpoints under {url}")
+    for column in ("checkpoint", "participant", "checkpoint id", "records", "size", "episodes", "extra fields"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        if "damaged" in row:
+            table.add_row(row["checkpoint"] or ".", row["participant"], "[red]damaged[/]", "", "", "", row["damaged"])
+            continue
+        shown = ", ".join(row["episode_ids"][:3]) + (" …" if len(row["episode_ids"]) > 3 else "")
+        table.add_row(
+            row["checkpoint"] or ".",
+            row["participant"],
+            row["checkpoint_id"],
+            str(row["record_count"]),
+            _human(row["records_bytes"]),
+            shown,
+            ", ".join(row["extra"]),
+        )
+    _stdout.print(table)
+
+
+def _listing(backend: Any, checkpoints: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for checkpoint, files in checkpoints.items():
+        for kind, instance in sorted(files.participants):
+            path = join(checkpoint, "gym", kind, instance, MANIFEST_NAME)
+            row: dict[str, Any] = {"checkpoint": checkpoint, "participant": f"{kind}/{instance}"}
+            try:
+                manifest = Manifest.parse(backend.read_bytes(path), path=path, kind=kind, instance=instance)
+            except FileNotFoundError:
+                row["damaged"] = "no manifest (unfinished commit)"
+            except InvalidCheckpointState as exc:
+                row["damaged"] = f"{exc.problem}: {exc.reason}"
+            else:
+                row.update(
+                    checkpoint_id=manifest.checkpoint_id,
+                    record_count=manifest.record_count,
+                    records_bytes=manifest.records_bytes,
+                    records_file=manifest.records_file,
+                    episode_ids=list(manifest.episode_ids),
+                    extra=manifest.extra,
+                )
+            yield row
+
+
+def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episodes: tuple[str, ...]) -> None:
+    kind, sep, instance = dump.partition("/")
+    if not sep:
+        raise click.BadParameter("expected KIND/INSTANCE, e.g. environment/env-0", param_hint="--dump")
+    if len(checkpoints) != 1:
+        _fail(f"URL holds {len(checkpoints)} checkpoints ({', '.join(checkpoints)}): name one of them in the URL")
+    (checkpoint,) = checkpoints
+    out = sys.stdout.buffer
+    try:
+        records = store.read_participant(checkpoint, kind=kind, instance=instance, scope=episodes or None)
+        for record in records:
+            out.write(encode_record(record)[1])
+    except InvalidCheckpointState as exc:
+        _fail(str(exc), EXIT_DAMAGED)
+    except (GymckptError, OSError) as exc:
+        _fail(str(exc))
+    out.flush()
+
+
+@main.command("demo")
+@click.option("--store", "store_url", default="./checkpoints", show_default=True, help="Store root (path or URL).")
+@click.option("--episodes", default=64, show_default=True, help="Rollouts per participant.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the generated rollouts.")
+def demo_command(store_url: str, episodes: int, seed: int) -> None:
+    """Write a checkpoint of four participants, publish, verify it offline, restore one scope."""
+    from gymckpt.demo import run_store_demo
+
+    sys.exit(run_store_demo(store_url, episodes=episodes, seed=seed, console=_stdout))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

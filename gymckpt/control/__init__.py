@@ -1,0 +1,1 @@
+"""gymckpt.control (not built yet)."""

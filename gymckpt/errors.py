@@ -1,0 +1,215 @@
+"""Every error gymckpt raises, in one small hierarchy.
+
+Each class that can cross the wire carries its ``code`` (the wire error code) and its
+HTTP ``status``; the control plane maps them in one exception handler. Subclasses also
+inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps working.
+
+::
+
+    GymckptError
+    ├── NotJSONError (TypeError)                 a payload value that is not JSON
+    ├── InvalidRecord (ValueError)               a record without a leading episode_id, a duplicate
+    ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, EROFS, network)
+    │   └── UnsupportedStorage                   a backend lacks a capability the store needs
+    ├── WriteStopped                             a write was stopped before it published
+    ├── ManifestConflict (FileExistsError)       another manifest is already published there
+    └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
+        ├── ParticipantNotFound (FileNotFoundError)
+        ├── ManifestNotJSON
+        ├── ManifestNotObject
+        ├── ManifestFieldInvalid                 a field missing or of the wrong type
+        ├── UnsupportedSchemaVersion
+        ├── ParticipantMismatch                  kind/instance differ from the directory
+        ├── RecordsPathEscapes                   records_file outside the participant directory
+        ├── RecordsNameInvalid                   records_file not records-<sha256>.jsonl
+        ├── RecordsMissing (FileNotFoundError)
+        ├── RecordsSizeMismatch
+        ├── RecordsDigestMismatch
+        ├── RecordUndecodable                    a line that is not a JSON object with an episode_id
+        ├── RecordCountMismatch
+        ├── EpisodeIdsMismatch
+        ├── CheckpointIndexInvalid               gym/checkpoint.json damaged or inconsistent
+        └── UnusableDirectory                    a directory that cannot hold state
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointIndexInvalid",
+    "EpisodeIdsMismatch",
+    "GymckptError",
+    "InvalidCheckpointState",
+    "InvalidRecord",
+    "ManifestConflict",
+    "ManifestFieldInvalid",
+    "ManifestNotJSON",
+    "ManifestNotObject",
+    "NotJSONError",
+    "ParticipantMismatch",
+    "ParticipantNotFound",
+    "RecordCountMismatch",
+    "RecordUndecodable",
+    "RecordsDigestMismatch",
+    "RecordsMissing",
+    "RecordsNameInvalid",
+    "RecordsPathEscapes",
+    "RecordsSizeMismatch",
+    "StorageError",
+    "UnsupportedSchemaVersion",
+    "UnsupportedStorage",
+    "UnusableDirectory",
+    "WriteStopped",
+]
+
+
+class GymckptError(Exception):
+    """Base of every gymckpt error."""
+
+    code: str = "internal_error"
+    status: int = 500
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class NotJSONError(GymckptError, TypeError):
+    """A payload value that JSON cannot represent exactly; names the episode and the path."""
+
+    code = "invalid_payload"
+    status = 422
+
+    def __init__(self, detail: str, *, episode_id: str | None = None, path: str = "$") -> None:
+        super().__init__(detail)
+        self.episode_id = episode_id
+        self.path = path
+
+
+class InvalidRecord(GymckptError, ValueError):
+    """A record that cannot be stored: not a dict, no leading episode_id, or a duplicate id."""
+
+    code = "invalid_payload"
+    status = 422
+
+
+class StorageError(GymckptError, OSError):
+    """The storage failed while writing or reading (no space, I/O error, read-only, network)."""
+
+    code = "storage_error"
+    status = 503
+
+    def __init__(self, detail: str, *, path: str | None = None, errno: int | None = None) -> None:
+        GymckptError.__init__(self, detail)
+        self.path = path
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+class UnsupportedStorage(StorageError):
+    """A backend lacks a capability safe publication needs, or got options it would ignore."""
+
+    code = "unsupported_storage"
+    status = 400
+
+
+class WriteStopped(GymckptError):
+    """The write was stopped (resume, cancellation) before it published a manifest."""
+
+    code = "write_stopped"
+    status = 409
+
+
+class ManifestConflict(GymckptError, FileExistsError):
+    """A different manifest (or checkpoint.json) is already published at this path."""
+
+    code = "checkpoint_conflict"
+    status = 409
+
+    def __init__(self, detail: str, *, path: str) -> None:
+        GymckptError.__init__(self, detail)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+class InvalidCheckpointState(GymckptError, ValueError):
+    """Stored checkpoint state is damaged or inconsistent; names the participant and the file."""
+
+    code = "invalid_checkpoint_state"
+    status = 422
+    #: short machine name of the damage; verify's findings use the same names
+    problem: str = "invalid_checkpoint_state"
+
+    def __init__(self, detail: str, *, path: str = "", participant: str = "") -> None:
+        where = " ".join(part for part in (participant, path) if part)
+        super().__init__(f"{where}: {detail}" if where else detail)
+        self.path = path
+        self.participant = participant
+        self.reason = detail
+
+
+class ParticipantNotFound(InvalidCheckpointState, FileNotFoundError):
+    problem = "participant_not_found"
+
+
+class ManifestNotJSON(InvalidCheckpointState):
+    problem = "manifest_not_json"
+
+
+class ManifestNotObject(InvalidCheckpointState):
+    problem = "manifest_not_object"
+
+
+class ManifestFieldInvalid(InvalidCheckpointState):
+    problem = "manifest_field_invalid"
+
+
+class UnsupportedSchemaVersion(InvalidCheckpointState):
+    problem = "unsupported_schema_version"
+
+
+class ParticipantMismatch(InvalidCheckpointState):
+    problem = "participant_mismatch"
+
+
+class RecordsPathEscapes(InvalidCheckpointState):
+    problem = "records_path_escapes"
+
+
+class RecordsNameInvalid(InvalidCheckpointState):
+    problem = "records_name_invalid"
+
+
+class RecordsMissing(InvalidCheckpointState, FileNotFoundError):
+    problem = "records_missing"
+
+
+class RecordsSizeMismatch(InvalidCheckpointState):
+    problem = "records_size_mismatch"
+
+
+class RecordsDigestMismatch(InvalidCheckpointState):
+    problem = "records_digest_mismatch"
+
+
+class RecordUndecodable(InvalidCheckpointState):
+    problem = "record_undecodable"
+
+
+class RecordCountMismatch(InvalidCheckpointState):
+    problem = "record_count_mismatch"
+
+
+class EpisodeIdsMismatch(InvalidCheckpointState):
+    problem = "episode_ids_mismatch"
+
+
+class CheckpointIndexInvalid(InvalidCheckpointState):
+    problem = "checkpoint_index_invalid"
+
+
+class UnusableDirectory(InvalidCheckpointState):
+    problem = "unusable_directory"

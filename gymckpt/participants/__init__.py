@@ -1,0 +1,1 @@
+"""gymckpt.participants (not built yet)."""

@@ -1,0 +1,1 @@
+"""gymckpt.servers (not built yet)."""

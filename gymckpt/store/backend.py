@@ -1,0 +1,141 @@
+"""The small interface every storage backend implements.
+
+Paths are relative to the backend's root, ``/``-separated, and never escape it
+(:func:`safe_relative_path`). A backend states what it can do as properties instead of
+pretending: object storage has no directory fsync, and a store that cannot create a
+file only if it is absent cannot publish a manifest safely.
+
+Note for implementers: :meth:`StorageBackend.walk_files` and
+:meth:`StorageBackend.size` have slow-but-correct defaults built on the other methods;
+override them where the storage can answer directly.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from gymckpt.errors import RecordsPathEscapes
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import BinaryIO
+
+__all__ = ["BlobSink", "StorageBackend", "join", "safe_relative_path"]
+
+
+def safe_relative_path(path: str) -> str:
+    """Normalize a store-relative path; refuse one that is absolute or climbs out with ``..``."""
+    if "\\" in path or "\x00" in path:
+        raise RecordsPathEscapes(f"path {path!r} holds a backslash or NUL")
+    normalized = posixpath.normpath(path) if path else "."
+    if normalized.startswith("/") or normalized == ".." or normalized.startswith("../"):
+        raise RecordsPathEscapes(f"path {path!r} leaves the store's root")
+    return "" if normalized == "." else normalized
+
+
+def join(*parts: str) -> str:
+    """Join store-relative path parts, skipping empty ones."""
+    return "/".join(part.strip("/") for part in parts if part and part.strip("/"))
+
+
+class BlobSink(ABC):
+    """A file being written to a temporary place; it becomes visible only by :meth:`publish`."""
+
+    @abstractmethod
+    def write(self, chunk: bytes | memoryview) -> None:
+        """Append ``chunk``; may run on a worker thread, never concurrently with itself."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Make the written bytes durable (flush and fsync, or complete the upload)."""
+
+    @abstractmethod
+    def publish(self, name: str) -> None:
+        """Make the finished content visible as ``name`` in the sink's directory, atomically.
+
+        Replacing an existing file of that name is allowed: callers only publish under
+        names derived from the content's digest.
+        """
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; idempotent, and a no-op after :meth:`publish`."""
+
+
+class StorageBackend(ABC):
+    """Where checkpoint files live: a local directory, memory, or an fsspec filesystem."""
+
+    #: the URL or path this backend was opened with
+    url: str
+
+    @property
+    @abstractmethod
+    def supports_directory_fsync(self) -> bool:
+        """True when :meth:`sync_directories` makes directory entries durable."""
+
+    @property
+    @abstractmethod
+    def supports_conditional_create(self) -> bool:
+        """True when :meth:`create_if_absent` is atomic against concurrent writers."""
+
+    @abstractmethod
+    def open_sink(self, directory: str) -> BlobSink:
+        """Start a streamed write in ``directory`` (created as needed)."""
+
+    @abstractmethod
+    def open_read(self, path: str) -> BinaryIO:
+        """Open ``path`` for streamed reading; raises ``FileNotFoundError`` if absent."""
+
+    @abstractmethod
+    def read_bytes(self, path: str) -> bytes:
+        """Return a small file's bytes; raises ``FileNotFoundError`` if absent."""
+
+    @abstractmethod
+    def create_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` with ``data`` only if it does not exist, durably.
+
+        Returns True when this call created it and False when identical bytes were
+        already there (a retry). Raises :class:`~gymckpt.errors.ManifestConflict` when
+        different bytes are there.
+        """
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """True when a file exists at ``path``."""
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names directly under ``path``; sub-directories end with ``/``. Empty if absent."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Delete the file at ``path``; a missing file is not an error."""
+
+    @abstractmethod
+    def sync_directories(self, path: str, up_to: str = "") -> None:
+        """Make the entries of ``path`` and each parent up to ``up_to`` durable."""
+
+    def size(self, path: str) -> int:
+        """Size of the file at ``path`` in bytes (default: reads it through)."""
+        total = 0
+        with self.open_read(path) as stream:
+            while chunk := stream.read(1 << 20):
+                total += len(chunk)
+        return total
+
+    def walk_files(self, path: str = "") -> Iterator[str]:
+        """Every file under ``path``, as store-relative paths (default: recursive list_dir)."""
+        pending = [path]
+        while pending:
+            directory = pending.pop()
+            for name in sorted(self.list_dir(directory), reverse=True):
+                child = join(directory, name)
+                if name.endswith("/"):
+                    pending.append(child)
+                else:
+                    yield child
+
+    def close(self) -> None:
+        """Release what the backend holds (connections, an owned filesystem)."""

@@ -1,0 +1,237 @@
+"""The records codec: one JSON object per line, exact for every value JSON can hold.
+
+Fast path: orjson, after one cheap type walk that finds what orjson would get wrong
+(NaN and infinities, which it writes as ``null``; tuples, enums and UUIDs, which it
+converts silently). Exact path: the standard library's encoder, used only for records
+that hold NaN, +/-Infinity, integers beyond 64 bits, lone surrogates or nesting deeper
+than orjson accepts.
+
+A line from the exact path starts with ``{"episode_id": `` (a space after the colon);
+a fast line starts with ``{"episode_id":"``. The decoder picks its decoder from that
+prefix alone, so a big integer is never read back as a float by orjson. Both are plain
+JSON that any reader accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gymckpt.errors import InvalidRecord, NotJSONError, RecordUndecodable
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = [
+    "MAX_DEPTH",
+    "check_json",
+    "decode_document",
+    "decode_line",
+    "encode_document",
+    "encode_record",
+    "episode_id_of_line",
+    "is_exact_line",
+]
+
+#: deepest nesting a record may have; deeper values are refused by name
+MAX_DEPTH = 4096
+EXACT_PREFIX = b'{"episode_id": '
+FAST_PREFIX = b'{"episode_id":"'
+
+_ORJSON_OPTIONS = (
+    orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+_NONE_TYPE = type(None)
+_EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTALL)
+
+
+def _refuse(value: object) -> object:
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def _fast_path_safe(value: object) -> bool:
+    """True when orjson writes ``value`` exactly: only exact JSON types, finite floats."""
+    stack = [value]
+    pop = stack.pop
+    push = stack.append
+    while stack:
+        node = pop()
+        items = node.values() if type(node) is dict else node
+        for item in items:
+            kind = type(item)
+            if kind is str or kind is int or item is None or kind is bool:
+                continue
+            if kind is dict or kind is list:
+                push(item)
+            elif kind is float:
+                if item - item != 0.0:
+                    return False
+            else:
+                return False
+    return True
+
+
+def _path_join(path: str, key: object) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if isinstance(key, str) and key.isidentifier():
+        return f"{path}.{key}"
+    return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def check_json(value: object, *, episode_id: str | None = None, root: str = "$") -> int:
+    """Raise :class:`NotJSONError` naming the first value JSON cannot hold; return the depth.
+
+    Accepts exactly dict (string keys), list, str, int, float (NaN and infinities
+    included), bool and None; refuses subclasses, tuples, sets, bytes, datetimes and
+    nesting deeper than :data:`MAX_DEPTH`.
+    """
+    where = f"episode {episode_id!r}: " if episode_id is not None else ""
+    deepest = 0
+    stack: list[tuple[object, str, int]] = [(value, root, 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        kind = type(node)
+        if kind is dict or kind is list:
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise NotJSONError(
+                    f"{where}value at {path} nests deeper than {MAX_DEPTH} levels",
+                    episode_id=episode_id,
+                    path=path,
+                )
+            deepest = max(deepest, depth)
+            if kind is dict:
+                for key, item in node.items():  # type: ignore[attr-defined]
+                    if type(key) is not str:
+                        raise NotJSONError(
+                            f"{where}key {key!r} ({type(key).__name__}) at {path} is not a string",
+                            episode_id=episode_id,
+                            path=path,
+                        )
+                    stack.append((item, _path_join(path, key), depth))
+            else:
+                for index, item in enumerate(node):  # type: ignore[arg-type]
+                    stack.append((item, _path_join(path, index), depth))
+        elif not (kind is str or kind is int or kind is float or kind is bool or node is None):
+            raise NotJSONError(
+                f"{where}value at {path} is a {kind.__name__}, not JSON "
+                "(allowed: dict with str keys, list, str, int, float, bool, None)",
+                episode_id=episode_id,
+                path=path,
+            )
+    return deepest
+
+
+_HEADROOM_LOCK = threading.Lock()
+
+
+@contextmanager
+def _recursion_headroom(depth: int) -> Iterator[None]:
+    """Let the standard library's recursive C encoder and decoder reach ``depth`` levels.
+
+    The limit is interpreter-wide, so deep records take turns instead of lowering it
+    under each other's feet.
+    """
+    if depth < 200:
+        yield
+        return
+    with _HEADROOM_LOCK:
+        previous = sys.getrecursionlimit()
+        sys.setrecursionlimit(previous + depth + 100)
+        try:
+            yield
+        finally:
+            sys.setrecursionlimit(previous)
+
+
+def _exact_dumps(record: dict[str, Any], depth: int) -> bytes:
+    with _recursion_headroom(depth):
+        text = json.dumps(record, ensure_ascii=True, allow_nan=True, separators=(",", ": "))
+    return text.encode("ascii") + b"\n"
+
+
+def _leading_episode_id(record: object) -> str:
+    if type(record) is not dict:
+        raise InvalidRecord(f"a record must be a dict, got {type(record).__name__}")
+    for key in record:  # type: ignore[union-attr]
+        value = record[key]  # type: ignore[index]
+        if key != "episode_id":
+            raise InvalidRecord(f"a record's first key must be 'episode_id', got {key!r}")
+        if type(value) is not str or not value:
+            raise InvalidRecord(f"a record's episode_id must be a non-empty str, got {value!r}")
+        return value
+    raise InvalidRecord("a record must not be empty: its first key is 'episode_id'")
+
+
+def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
+    """Return ``(episode_id, line)`` for one record; the line ends with a newline.
+
+    Raises :class:`InvalidRecord` for a record without a leading ``episode_id`` and
+    :class:`NotJSONError` (naming the episode and the path) for a value JSON cannot hold.
+    """
+    episode_id = _leading_episode_id(record)
+    if _fast_path_safe(record):
+        try:
+            return episode_id, orjson.dumps(record, default=_refuse, option=_ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
+        except TypeError:
+            pass  # big integer, lone surrogate, deep nesting, or a non-str key
+    depth = check_json(record, episode_id=episode_id)
+    return episode_id, _exact_dumps(record, depth)
+
+
+def is_exact_line(line: bytes | memoryview) -> bool:
+    """True for a line the exact path wrote (it must be read by the exact decoder)."""
+    return bytes(line[: len(EXACT_PREFIX)]) == EXACT_PREFIX
+
+
+def decode_line(line: bytes | memoryview) -> dict[str, Any]:
+    """Decode one records line (with or without its newline) into its record."""
+    try:
+        if line[:15] == EXACT_PREFIX:
+            with _recursion_headroom(MAX_DEPTH):
+                record = json.loads(bytes(line))
+        else:
+            record = orjson.loads(line)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise RecordUndecodable(f"line is not JSON: {exc}") from exc
+    if type(record) is not dict or next(iter(record), None) != "episode_id":
+        raise RecordUndecodable("line is not a JSON object whose first key is 'episode_id'")
+    return record
+
+
+def episode_id_of_line(line: bytes | memoryview) -> str:
+    """Read the leading episode_id of a line without decoding the rest of it."""
+    match = _EPISODE_ID_TOKEN.match(line)
+    if match is None:
+        raise RecordUndecodable("line does not start with an episode_id string")
+    raw = match.group(1)
+    try:
+        return json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordUndecodable(f"line's episode_id is not a JSON string: {exc}") from exc
+
+
+def encode_document(document: dict[str, Any]) -> bytes:
+    """Encode a small document (manifest, checkpoint index) as exact, indented, ASCII JSON.
+
+    The output depends only on the document, so a retried write compares bytes.
+    """
+    depth = check_json(document)
+    with _recursion_headroom(depth):
+        return json.dumps(document, indent=2, ensure_ascii=True, allow_nan=True).encode("ascii") + b"\n"
+
+
+def decode_document(data: bytes) -> object:
+    """Decode a document written by :func:`encode_document` (raises ``ValueError``)."""
+    try:
+        with _recursion_headroom(MAX_DEPTH):
+            return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError(f"nesting deeper than {MAX_DEPTH} levels") from exc

@@ -1,0 +1,163 @@
+"""One participant's commit and restore: records first, then the manifest, create-only."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.errors import (
+    GymckptError,
+    InvalidCheckpointState,
+    ManifestConflict,
+    ParticipantNotFound,
+    RecordsMissing,
+    RecordsSizeMismatch,
+    StorageError,
+)
+from gymckpt.store.manifest import MANIFEST_NAME, Manifest, check_name, participant_directory
+from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, WriteStop, read_records, write_records
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection, Iterable, Iterator
+
+    from gymckpt.store.backend import StorageBackend
+
+__all__ = ["commit_participant", "expected_records", "iter_manifest_records", "load_manifest", "restore_participant"]
+
+
+def commit_participant(
+    backend: StorageBackend,
+    checkpoint_dir: str,
+    *,
+    kind: str,
+    instance: str,
+    checkpoint_id: str,
+    records: Iterable[dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+    stop: WriteStop | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Manifest:
+    """Stream ``records`` to ``records-<sha256>.jsonl``, make it durable, then create the manifest.
+
+    An identical manifest already published (a retry) is success; a different one is
+    :class:`ManifestConflict`, and this write's records file is removed unless the
+    published manifest names it.
+    """
+    check_name("kind", kind)
+    check_name("instance", instance)
+    check_name("checkpoint_id", checkpoint_id)
+    directory = participant_directory(checkpoint_dir, kind, instance)
+    sink = backend.open_sink(directory)
+    published = False
+    try:
+        summary = write_records(sink, records, stop=stop, chunk_size=chunk_size)
+        sink.finish()
+        manifest = Manifest.build(
+            directory=directory,
+            kind=kind,
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            records_sha256=summary.sha256,
+            record_count=summary.count,
+            records_bytes=summary.size,
+            episode_ids=summary.episode_ids,
+            extra=extra,
+        )
+        with stop.held() if stop is not None else nullcontext():
+            if stop is not None:
+                stop.check()
+            sink.publish(manifest.records_file)
+            published = True
+            backend.sync_directories(directory)
+            try:
+                backend.create_if_absent(manifest.path, manifest.raw)
+            except ManifestConflict:
+                _remove_losing_records(backend, manifest)
+                raise
+        return manifest
+    finally:
+        if not published:
+            sink.abort()
+
+
+def _remove_losing_records(backend: StorageBackend, ours: Manifest) -> None:
+    try:
+        winner = Manifest.parse(backend.read_bytes(ours.path), path=ours.path)
+    except (InvalidCheckpointState, OSError):
+        return  # the published manifest is unreadable: leave both for verify to report
+    if winner.records_file != ours.records_file:
+        backend.delete(ours.records_path)
+
+
+def load_manifest(backend: StorageBackend, checkpoint_dir: str, *, kind: str, instance: str) -> Manifest:
+    """Read and validate one participant's manifest (typed errors on any damage)."""
+    directory = participant_directory(checkpoint_dir, check_name("kind", kind), check_name("instance", instance))
+    path = f"{directory}/{MANIFEST_NAME}"
+    try:
+        raw = backend.read_bytes(path)
+    except FileNotFoundError as exc:
+        raise ParticipantNotFound("no manifest: this participant was not committed", path=path, participant=f"{kind}/{instance}") from exc
+    return Manifest.parse(raw, path=path, kind=kind, instance=instance)
+
+
+def expected_records(manifest: Manifest) -> RecordsCheck:
+    """What the manifest says its records file holds."""
+    return RecordsCheck(
+        path=manifest.records_path,
+        participant=manifest.participant,
+        sha256=manifest.records_sha256,
+        size=manifest.records_bytes,
+        count=manifest.record_count,
+        episode_ids=manifest.episode_ids,
+    )
+
+
+def iter_manifest_records(
+    backend: StorageBackend,
+    manifest: Manifest,
+    *,
+    scope: Collection[str] | None = None,
+    decode_all: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Stream a manifest's records, verifying the whole file (see :func:`read_records`)."""
+    expected = expected_records(manifest)
+    try:
+        size = backend.size(manifest.records_path)
+    except FileNotFoundError as exc:
+        raise expected.fail(RecordsMissing, "records file is missing") from exc
+    if size != manifest.records_bytes:
+        raise expected.fail(RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}")
+    try:
+        stream = backend.open_read(manifest.records_path)
+    except FileNotFoundError as exc:
+        raise expected.fail(RecordsMissing, "records file is missing") from exc
+    with stream:
+        try:
+            yield from read_records(
+                stream, expected, scope=scope, decode_all=decode_all, chunk_size=chunk_size, progress=progress
+            )
+        except GymckptError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot read {manifest.records_path}: {exc}", path=manifest.records_path) from exc
+
+
+def restore_participant(
+    backend: StorageBackend,
+    checkpoint_dir: str,
+    *,
+    kind: str,
+    instance: str,
+    scope: Collection[str] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Iterator[dict[str, Any]]:
+    """Load the manifest now (raising on damage), then stream the records in ``scope``.
+
+    The returned iterator verifies the whole records file and raises a typed
+    :class:`~gymckpt.errors.InvalidCheckpointState` before it ends if it is damaged.
+    """
+    manifest = load_manifest(backend, checkpoint_dir, kind=kind, instance=instance)
+    scope_set = None if scope is None else frozenset(scope)
+    return iter_manifest_records(backend, manifest, scope=scope_set, chunk_size=chunk_size)

@@ -1,0 +1,168 @@
+"""``<checkpoint_dir>/gym/checkpoint.json``: the index coordination publishes last, create-only."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gymckpt._version import __version__
+from gymckpt.errors import CheckpointIndexInvalid
+from gymckpt.store.backend import join
+from gymckpt.store.codec import decode_document, encode_document
+from gymckpt.store.manifest import MANIFEST_NAME, NAME_PATTERN, SCHEMA_VERSION, check_name
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from gymckpt.store.backend import StorageBackend
+    from gymckpt.store.manifest import Manifest
+
+__all__ = ["INDEX_NAME", "CheckpointIndex", "IndexEntry", "index_path", "publish_checkpoint", "read_index"]
+
+INDEX_NAME = "checkpoint.json"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_RESERVED = frozenset({"schema_version", "checkpoint_id", "participants", "writer"})
+
+
+def index_path(checkpoint_dir: str) -> str:
+    """Store-relative path of a checkpoint's index."""
+    return join(checkpoint_dir, "gym", INDEX_NAME)
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """One participant as the index lists it."""
+
+    kind: str
+    instance: str
+    manifest_sha256: str
+
+    @property
+    def manifest(self) -> str:
+        """Manifest path relative to the checkpoint directory."""
+        return f"gym/{self.kind}/{self.instance}/{MANIFEST_NAME}"
+
+    @property
+    def participant(self) -> str:
+        return f"{self.kind}/{self.instance}"
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """A parsed ``checkpoint.json``."""
+
+    checkpoint_id: str
+    participants: tuple[IndexEntry, ...]
+    extra: dict[str, Any]
+    document: dict[str, Any]
+
+
+def _document(checkpoint_id: str, entries: list[IndexEntry], extra: dict[str, Any] | None) -> dict[str, Any]:
+    extra = dict(extra or {})
+    clashing = sorted(_RESERVED.intersection(extra))
+    if clashing:
+        raise ValueError(f"extra checkpoint fields may not use reserved names: {clashing}")
+    document: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "checkpoint_id": checkpoint_id,
+        "participants": [
+            {
+                "kind": entry.kind,
+                "instance": entry.instance,
+                "manifest": entry.manifest,
+                "manifest_sha256": entry.manifest_sha256,
+            }
+            for entry in entries
+        ],
+    }
+    document.update(extra)
+    document["writer"] = f"gymckpt {__version__}"
+    return document
+
+
+def publish_checkpoint(
+    backend: StorageBackend,
+    checkpoint_dir: str,
+    manifests: Iterable[Manifest],
+    *,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Create ``gym/checkpoint.json`` listing ``manifests``; return the published document.
+
+    Every manifest is read back and must still hash as committed; all must share one
+    checkpoint id. An identical index already published is success (a retry); a
+    different one is :class:`~gymckpt.errors.ManifestConflict`.
+    """
+    manifests = list(manifests)
+    if not manifests:
+        raise ValueError("publish needs at least one committed manifest")
+    checkpoint_ids = {manifest.checkpoint_id for manifest in manifests}
+    if len(checkpoint_ids) != 1:
+        raise ValueError(f"manifests of different checkpoints cannot be published together: {sorted(checkpoint_ids)}")
+    entries: dict[tuple[str, str], IndexEntry] = {}
+    for manifest in manifests:
+        path = join(checkpoint_dir, "gym", manifest.kind, manifest.instance, MANIFEST_NAME)
+        if path != manifest.path:
+            raise ValueError(f"manifest {manifest.path} does not belong to checkpoint directory {checkpoint_dir!r}")
+        stored = hashlib.sha256(backend.read_bytes(path)).hexdigest()
+        if stored != manifest.sha256:
+            raise CheckpointIndexInvalid(
+                "the published manifest differs from the one committed", path=path, participant=manifest.participant
+            )
+        key = (manifest.kind, manifest.instance)
+        if key in entries:
+            raise ValueError(f"participant {manifest.participant} listed twice")
+        entries[key] = IndexEntry(manifest.kind, manifest.instance, stored)
+    document = _document(checkpoint_ids.pop(), [entries[key] for key in sorted(entries)], extra)
+    backend.sync_directories(join(checkpoint_dir, "gym"))
+    backend.create_if_absent(index_path(checkpoint_dir), encode_document(document))
+    return document
+
+
+def read_index(backend: StorageBackend, checkpoint_dir: str) -> CheckpointIndex:
+    """Read and validate ``gym/checkpoint.json`` (FileNotFoundError when unpublished)."""
+    path = index_path(checkpoint_dir)
+    raw = backend.read_bytes(path)
+    return parse_index(raw, path=path)
+
+
+def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
+    """Validate index bytes; raise :class:`CheckpointIndexInvalid` naming what is wrong."""
+
+    def invalid(detail: str) -> CheckpointIndexInvalid:
+        return CheckpointIndexInvalid(detail, path=path)
+
+    try:
+        document = decode_document(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"checkpoint.json is not JSON: {exc}") from exc
+    if type(document) is not dict:
+        raise invalid("checkpoint.json is not a JSON object")
+    if document.get("schema_version") != SCHEMA_VERSION or type(document.get("schema_version")) is not int:
+        raise invalid(f"checkpoint.json schema_version is {document.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    checkpoint_id = document.get("checkpoint_id")
+    if not isinstance(checkpoint_id, str) or not NAME_PATTERN.match(checkpoint_id):
+        raise invalid(f"checkpoint.json checkpoint_id {checkpoint_id!r} is not a valid id")
+    listed = document.get("participants")
+    if type(listed) is not list:
+        raise invalid("checkpoint.json has no participants list")
+    entries = []
+    for item in listed:
+        if type(item) is not dict:
+            raise invalid("a participants entry is not an object")
+        try:
+            kind = check_name("kind", item.get("kind"))
+            instance = check_name("instance", item.get("instance"))
+        except ValueError as exc:
+            raise invalid(str(exc)) from exc
+        digest = item.get("manifest_sha256")
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            raise invalid(f"participant {kind}/{instance} has no valid manifest_sha256")
+        entry = IndexEntry(kind, instance, digest)
+        if item.get("manifest") != entry.manifest:
+            raise invalid(f"participant {kind}/{instance} names manifest {item.get('manifest')!r}, expected {entry.manifest!r}")
+        entries.append(entry)
+    extra = {key: value for key, value in document.items() if key not in _RESERVED}
+    return CheckpointIndex(checkpoint_id, tuple(entries), extra, document)

@@ -1,0 +1,313 @@
+"""Streaming records files: encode, hash and write one record at a time; read back the same way.
+
+Writing runs two stages: the caller's thread encodes records (it holds the GIL) while a
+worker thread hashes and writes full chunks (hashlib and file I/O release the GIL), so
+both cores work. Reading mirrors it: a worker thread reads and hashes chunks while the
+caller's thread splits lines and decodes only the records in scope. Memory stays
+bounded by a few chunks plus the largest record.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import queue
+import threading
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.errors import (
+    EpisodeIdsMismatch,
+    InvalidRecord,
+    RecordCountMismatch,
+    RecordsDigestMismatch,
+    RecordsSizeMismatch,
+    RecordUndecodable,
+    WriteStopped,
+)
+from gymckpt.store.codec import decode_line, encode_record, episode_id_of_line
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Collection, Iterable, Iterator
+    from typing import BinaryIO
+
+    from gymckpt.errors import InvalidCheckpointState
+    from gymckpt.store.backend import BlobSink
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "RecordsCheck", "RecordsSummary", "WriteStop", "read_records", "write_records"]
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+_QUEUE_DEPTH = 4
+_END = object()
+
+
+class WriteStop:
+    """The stop flag and lock of one write (S7).
+
+    The writer checks :attr:`stopped` before each record; its last check, the rename of
+    the records file and the creation of the manifest run under :meth:`held`. Once
+    :meth:`stop` has returned, no manifest of that write can appear.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` was called."""
+        return self._stopped
+
+    def stop(self) -> None:
+        """Stop the write; waits while it is publishing, so it returns only after."""
+        with self._lock:
+            self._stopped = True
+
+    def held(self) -> threading.Lock:
+        """The lock publication runs under."""
+        return self._lock
+
+    def check(self) -> None:
+        """Raise :class:`WriteStopped` if the write was stopped."""
+        if self._stopped:
+            raise WriteStopped("the write was stopped before it published")
+
+
+@dataclass
+class RecordsSummary:
+    """What a written records file holds."""
+
+    sha256: str
+    size: int
+    count: int
+    episode_ids: list[str] = field(default_factory=list)
+
+
+class _ChunkWriter(threading.Thread):
+    """Hashes and writes chunks handed over by the encoding thread."""
+
+    def __init__(self, sink: BlobSink) -> None:
+        super().__init__(name="gymckpt-records-writer", daemon=True)
+        self.sink = sink
+        self.hasher = hashlib.sha256()
+        self.size = 0
+        self.error: BaseException | None = None
+        self.inbox: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
+
+    def run(self) -> None:
+        while (batch := self.inbox.get()) is not _END:
+            if self.error is not None:
+                continue  # keep draining so the producer never blocks on a dead writer
+            try:
+                data = b"".join(batch)  # type: ignore[arg-type]
+                self.hasher.update(data)
+                self.sink.write(data)
+                self.size += len(data)
+            except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
+                self.error = exc
+
+
+def write_records(
+    sink: BlobSink,
+    records: Iterable[dict[str, Any]],
+    *,
+    stop: WriteStop | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> RecordsSummary:
+    """Encode ``records`` into ``sink`` one at a time; return digest, size, count and ids.
+
+    Raises :class:`InvalidRecord` (no leading episode_id, a duplicate id),
+    :class:`~gymckpt.errors.NotJSONError`, :class:`WriteStopped`, or the sink's
+    storage error. The sink is left for the caller to finish or abort.
+    """
+    writer = _ChunkWriter(sink)
+    writer.start()
+    seen: set[str] = set()
+    episode_ids: list[str] = []
+    batch: list[bytes] = []
+    batched = 0
+    try:
+        for record in records:
+            if stop is not None and stop.stopped:
+                stop.check()
+            episode_id, line = encode_record(record)
+            if episode_id in seen:
+                raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
+            seen.add(episode_id)
+            episode_ids.append(episode_id)
+            batch.append(line)
+            batched += len(line)
+            if batched >= chunk_size:
+                if writer.error is not None:
+                    break
+                writer.inbox.put(batch)
+                batch, batched = [], 0
+        if batch and writer.error is None:
+            writer.inbox.put(batch)
+    finally:
+        writer.inbox.put(_END)
+        writer.join()
+    if writer.error is not None:
+        raise writer.error
+    return RecordsSummary(writer.hasher.hexdigest(), writer.size, len(episode_ids), episode_ids)
+
+
+class _ChunkReader(threading.Thread):
+    """Reads and hashes chunks ahead of the decoding thread."""
+
+    def __init__(self, stream: BinaryIO, chunk_size: int) -> None:
+        super().__init__(name="gymckpt-records-reader", daemon=True)
+        self.stream = stream
+        self.chunk_size = chunk_size
+        self.hasher = hashlib.sha256()
+        self.size = 0
+        self.error: BaseException | None = None
+        self.outbox: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self.cancelled = False
+
+    def run(self) -> None:
+        try:
+            while not self.cancelled:
+                chunk = self.stream.read(self.chunk_size)
+                if not chunk:
+                    break
+                self.hasher.update(chunk)
+                self.size += len(chunk)
+                self.outbox.put(chunk)
+        except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread
+            self.error = exc
+        finally:
+            self.outbox.put(_END)
+
+    def chunks(self) -> Iterator[bytes]:
+        while (chunk := self.outbox.get()) is not _END:
+            yield chunk  # type: ignore[misc]
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        while self.is_alive():
+            try:
+                self.outbox.get(timeout=0.1)
+            except queue.Empty:
+                pass
+
+
+@contextmanager
+def _no_gc() -> Iterator[None]:
+    """Pause the cyclic GC while decoding: decoded records hold no cycles, and collecting
+    a growing heap of fresh containers over and over is what makes naive restores slow."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@dataclass
+class RecordsCheck:
+    """What a records file is expected to hold (from its manifest), and who is reading it."""
+
+    path: str
+    participant: str
+    sha256: str
+    size: int
+    count: int
+    episode_ids: tuple[str, ...]
+
+    def fail(self, error: type[InvalidCheckpointState], detail: str) -> InvalidCheckpointState:
+        return error(detail, path=self.path, participant=self.participant)
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[list[bytes | memoryview]]:
+    """Group the lines of a byte stream per chunk; a line spanning chunks is joined once."""
+    carry: list[bytes] = []
+    for chunk in chunks:
+        view = memoryview(chunk)
+        lines: list[bytes | memoryview] = []
+        start = 0
+        if carry:
+            end = chunk.find(b"\n")
+            if end < 0:
+                carry.append(chunk)
+                continue
+            carry.append(chunk[:end])
+            lines.append(b"".join(carry))
+            carry = []
+            start = end + 1
+        while (end := chunk.find(b"\n", start)) >= 0:
+            lines.append(view[start:end])
+            start = end + 1
+        if start < len(chunk):
+            carry.append(chunk[start:])
+        yield lines
+    if carry:
+        yield [b"".join(carry)]  # a last line without its newline: the size or digest check reports it
+
+
+def read_records(
+    stream: BinaryIO,
+    expected: RecordsCheck,
+    *,
+    scope: Collection[str] | None = None,
+    decode_all: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield the records in ``scope`` (all when None) while verifying the whole file.
+
+    The digest, size, line count and episode ids are checked against ``expected``
+    after the last line, before the iterator ends; damage raises a typed
+    :class:`~gymckpt.errors.InvalidCheckpointState`, so a consumer must not act on
+    records before the iteration finished. Out-of-scope lines are hashed and counted
+    but not decoded unless ``decode_all``.
+    """
+    reader = _ChunkReader(stream, chunk_size)
+    reader.start()
+    episode_ids: list[str] = []
+    undecodable: str | None = None
+    line_number = 0
+    try:
+        for lines in _lines(reader.chunks()):
+            if progress is not None:
+                progress(sum(len(line) + 1 for line in lines))
+            selected: list[dict[str, Any]] = []
+            with _no_gc() if lines else nullcontext():
+                for line in lines:
+                    line_number += 1
+                    if undecodable is not None:
+                        continue
+                    try:
+                        episode_id = episode_id_of_line(line)
+                        episode_ids.append(episode_id)
+                        if scope is None or episode_id in scope:
+                            selected.append(decode_line(line))
+                        elif decode_all:
+                            decode_line(line)
+                    except RecordUndecodable as exc:
+                        undecodable = f"line {line_number}: {exc.reason}"
+            yield from selected
+    finally:
+        reader.cancel()
+        reader.join()
+    if reader.size != expected.size:
+        raise expected.fail(RecordsSizeMismatch, f"records file has {reader.size} bytes, manifest says {expected.size}")
+    digest = reader.hasher.hexdigest()
+    if digest != expected.sha256:
+        raise expected.fail(RecordsDigestMismatch, f"records file hashes to {digest}, manifest says {expected.sha256}")
+    if undecodable is not None:
+        raise expected.fail(RecordUndecodable, undecodable)
+    if line_number != expected.count:
+        raise expected.fail(RecordCountMismatch, f"records file has {line_number} records, manifest says {expected.count}")
+    episode_ids.sort()
+    if tuple(episode_ids) != expected.episode_ids:
+        extra = sorted(set(episode_ids) - set(expected.episode_ids))[:5]
+        missing = sorted(set(expected.episode_ids) - set(episode_ids))[:5]
+        raise expected.fail(
+            EpisodeIdsMismatch,
+            f"records hold episodes the manifest does not list ({extra}), miss listed ones ({missing}) or repeat one",
+        )

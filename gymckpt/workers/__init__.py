@@ -1,0 +1,1 @@
+"""gymckpt.workers (not built yet)."""
