@@ -84,7 +84,9 @@ def main() -> None:
 @click.option("--quick", is_flag=True, help="Skip re-hashing records files: check manifests, presence and sizes only.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 @_storage_arguments
-def verify_command(url: str, quick: bool, as_json: bool, endpoint_url: str | None, storage_option: tuple[str, ...]) -> None:
+def verify_command(
+    url: str, quick: bool, as_json: bool, endpoint_url: str | None, storage_option: tuple[str, ...]
+) -> None:
     """Check one checkpoint directory, or every checkpoint under URL, without any server.
 
     \b

@@ -16,7 +16,27 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-_WORDS = "the agent calls the weather tool for Paris and the model answers with a short summary of the result".split()
+_WORDS = [
+    "the",
+    "agent",
+    "calls",
+    "the",
+    "weather",
+    "tool",
+    "for",
+    "Paris",
+    "and",
+    "the",
+    "model",
+    "answers",
+    "with",
+    "a",
+    "short",
+    "summary",
+    "of",
+    "the",
+    "result",
+]
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -51,12 +71,18 @@ def _records(kind: str, episodes: int, seed: int) -> Iterator[dict[str, Any]]:
         elif kind == "model":
             yield {
                 "episode_id": key,
-                "cut": {"tokens": [rng.randrange(50_000) for _ in range(rng.randint(16, 256))], "logprob": rng.random()},
+                "cut": {
+                    "tokens": [rng.randrange(50_000) for _ in range(rng.randint(16, 256))],
+                    "logprob": rng.random(),
+                },
             }
         elif kind == "agent":
             yield {"episode_id": key, "session": {"turn": step, "messages": _chat(rng, step)}}
         else:
-            yield {"episode_id": key, "state": {"counter": rng.randint(0, 9), "score": float("nan") if step == 6 else step}}
+            yield {
+                "episode_id": key,
+                "state": {"counter": rng.randint(0, 9), "score": float("nan") if step == 6 else step},
+            }
 
 
 def run_store_demo(store_url: str, *, episodes: int, seed: int, console: Console) -> int:

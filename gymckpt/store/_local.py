@@ -126,7 +126,7 @@ class LocalBackend(StorageBackend):
     def open_read(self, path: str) -> BinaryIO:
         real = self.real_path(path)
         with _os_errors(path, "open"):
-            return open(real, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+            return open(real, "rb", buffering=0)
 
     def read_bytes(self, path: str) -> bytes:
         with _os_errors(path, "read"), open(self.real_path(path), "rb") as stream:

@@ -44,9 +44,7 @@ MAX_DEPTH = 4096
 EXACT_PREFIX = b'{"episode_id": '
 FAST_PREFIX = b'{"episode_id":"'
 
-_ORJSON_OPTIONS = (
-    orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
-)
+_ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
 _NONE_TYPE = type(None)
 _EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTALL)
 

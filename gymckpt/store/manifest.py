@@ -199,7 +199,9 @@ class Manifest:
             )
         records_file = document["records_file"]
         if "/" in records_file or "\\" in records_file or records_file in ("", ".", ".."):
-            raise RecordsPathEscapes(f"records_file {records_file!r} is not a file in the participant directory", **where)
+            raise RecordsPathEscapes(
+                f"records_file {records_file!r} is not a file in the participant directory", **where
+            )
         if not RECORDS_NAME_PATTERN.match(records_file):
             raise RecordsNameInvalid(
                 f"records_file {records_file!r} does not match {RECORDS_NAME_PATTERN.pattern}", **where
@@ -229,4 +231,3 @@ class Manifest:
 def _with_raw(manifest: Manifest, raw: bytes) -> Manifest:
     object.__setattr__(manifest, "raw", raw)
     return manifest
-

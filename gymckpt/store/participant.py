@@ -96,7 +96,9 @@ def load_manifest(backend: StorageBackend, checkpoint_dir: str, *, kind: str, in
     try:
         raw = backend.read_bytes(path)
     except FileNotFoundError as exc:
-        raise ParticipantNotFound("no manifest: this participant was not committed", path=path, participant=f"{kind}/{instance}") from exc
+        raise ParticipantNotFound(
+            "no manifest: this participant was not committed", path=path, participant=f"{kind}/{instance}"
+        ) from exc
     return Manifest.parse(raw, path=path, kind=kind, instance=instance)
 
 
@@ -128,7 +130,9 @@ def iter_manifest_records(
     except FileNotFoundError as exc:
         raise expected.fail(RecordsMissing, "records file is missing") from exc
     if size != manifest.records_bytes:
-        raise expected.fail(RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}")
+        raise expected.fail(
+            RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
+        )
     try:
         stream = backend.open_read(manifest.records_path)
     except FileNotFoundError as exc:

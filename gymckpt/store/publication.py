@@ -141,7 +141,9 @@ def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
     if type(document) is not dict:
         raise invalid("checkpoint.json is not a JSON object")
     if document.get("schema_version") != SCHEMA_VERSION or type(document.get("schema_version")) is not int:
-        raise invalid(f"checkpoint.json schema_version is {document.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+        raise invalid(
+            f"checkpoint.json schema_version is {document.get('schema_version')!r}, expected {SCHEMA_VERSION}"
+        )
     checkpoint_id = document.get("checkpoint_id")
     if not isinstance(checkpoint_id, str) or not NAME_PATTERN.match(checkpoint_id):
         raise invalid(f"checkpoint.json checkpoint_id {checkpoint_id!r} is not a valid id")
@@ -162,7 +164,9 @@ def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
             raise invalid(f"participant {kind}/{instance} has no valid manifest_sha256")
         entry = IndexEntry(kind, instance, digest)
         if item.get("manifest") != entry.manifest:
-            raise invalid(f"participant {kind}/{instance} names manifest {item.get('manifest')!r}, expected {entry.manifest!r}")
+            raise invalid(
+                f"participant {kind}/{instance} names manifest {item.get('manifest')!r}, expected {entry.manifest!r}"
+            )
         entries.append(entry)
     extra = {key: value for key, value in document.items() if key not in _RESERVED}
     return CheckpointIndex(checkpoint_id, tuple(entries), extra, document)

@@ -104,7 +104,7 @@ class _ChunkWriter(threading.Thread):
                 self.hasher.update(data)
                 self.sink.write(data)
                 self.size += len(data)
-            except BaseException as exc:  # noqa: BLE001 - handed to the producer thread
+            except BaseException as exc:
                 self.error = exc
 
 
@@ -175,7 +175,7 @@ class _ChunkReader(threading.Thread):
                 self.hasher.update(chunk)
                 self.size += len(chunk)
                 self.outbox.put(chunk)
-        except BaseException as exc:  # noqa: BLE001 - handed to the decoding thread
+        except BaseException as exc:
             self.error = exc
         finally:
             self.outbox.put(_END)
@@ -302,7 +302,9 @@ def read_records(
     if undecodable is not None:
         raise expected.fail(RecordUndecodable, undecodable)
     if line_number != expected.count:
-        raise expected.fail(RecordCountMismatch, f"records file has {line_number} records, manifest says {expected.count}")
+        raise expected.fail(
+            RecordCountMismatch, f"records file has {line_number} records, manifest says {expected.count}"
+        )
     episode_ids.sort()
     if tuple(episode_ids) != expected.episode_ids:
         extra = sorted(set(episode_ids) - set(expected.episode_ids))[:5]

@@ -13,7 +13,13 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from gymckpt.errors import CheckpointIndexInvalid, GymckptError, InvalidCheckpointState, RecordsMissing, RecordsSizeMismatch
+from gymckpt.errors import (
+    CheckpointIndexInvalid,
+    GymckptError,
+    InvalidCheckpointState,
+    RecordsMissing,
+    RecordsSizeMismatch,
+)
 from gymckpt.store._local import TEMP_PREFIX
 from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import backend_for_url
@@ -215,7 +221,9 @@ def _check_manifest(
     has_manifest = manifest_path in paths
     if has_manifest:
         try:
-            manifest = Manifest.parse(backend.read_bytes(manifest_path), path=manifest_path, kind=kind, instance=instance)
+            manifest = Manifest.parse(
+                backend.read_bytes(manifest_path), path=manifest_path, kind=kind, instance=instance
+            )
         except InvalidCheckpointState as exc:
             report.findings.append(_from_error(checkpoint, exc, participant))
         except FileNotFoundError:
@@ -314,9 +322,7 @@ def _check_index(
         index = parse_index(backend.read_bytes(files.index), path=files.index)
     except (InvalidCheckpointState, FileNotFoundError) as exc:
         detail = exc.reason if isinstance(exc, InvalidCheckpointState) else "checkpoint.json vanished"
-        report.findings.append(
-            Finding(CheckpointIndexInvalid.problem, Severity.ERROR, checkpoint, files.index, detail)
-        )
+        report.findings.append(Finding(CheckpointIndexInvalid.problem, Severity.ERROR, checkpoint, files.index, detail))
         return
     listed = {(entry.kind, entry.instance): entry for entry in index.participants}
     for key, entry in sorted(listed.items()):
