@@ -107,6 +107,7 @@ def expected_records(manifest: Manifest) -> RecordsCheck:
     return RecordsCheck(
         path=manifest.records_path,
         participant=manifest.participant,
+        manifest_path=manifest.path,
         sha256=manifest.records_sha256,
         size=manifest.records_bytes,
         count=manifest.record_count,

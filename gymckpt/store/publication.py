@@ -121,11 +121,31 @@ def publish_checkpoint(
     return document
 
 
-def read_index(backend: StorageBackend, checkpoint_dir: str) -> CheckpointIndex:
-    """Read and validate ``gym/checkpoint.json`` (FileNotFoundError when unpublished)."""
+def read_index(backend: StorageBackend, checkpoint_dir: str, *, check_manifests: bool = True) -> CheckpointIndex:
+    """Read and validate ``gym/checkpoint.json`` (FileNotFoundError when unpublished).
+
+    With ``check_manifests``, every listed manifest must exist and hash as listed.
+    """
     path = index_path(checkpoint_dir)
-    raw = backend.read_bytes(path)
-    return parse_index(raw, path=path)
+    index = parse_index(backend.read_bytes(path), path=path)
+    if check_manifests:
+        for entry in index.participants:
+            manifest_path = join(checkpoint_dir, entry.manifest)
+            try:
+                digest = hashlib.sha256(backend.read_bytes(manifest_path)).hexdigest()
+            except FileNotFoundError as exc:
+                raise CheckpointIndexInvalid(
+                    "checkpoint.json lists a participant whose manifest is missing",
+                    path=manifest_path,
+                    participant=entry.participant,
+                ) from exc
+            if digest != entry.manifest_sha256:
+                raise CheckpointIndexInvalid(
+                    f"manifest hashes to {digest}, checkpoint.json says {entry.manifest_sha256}",
+                    path=manifest_path,
+                    participant=entry.participant,
+                )
+    return index
 
 
 def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:

@@ -214,13 +214,17 @@ class RecordsCheck:
 
     path: str
     participant: str
+    #: the manifest whose claims the file is checked against (named when they contradict themselves)
+    manifest_path: str
     sha256: str
     size: int
     count: int
     episode_ids: tuple[str, ...]
 
-    def fail(self, error: type[InvalidCheckpointState], detail: str) -> InvalidCheckpointState:
-        return error(detail, path=self.path, participant=self.participant)
+    def fail(
+        self, error: type[InvalidCheckpointState], detail: str, *, in_manifest: bool = False
+    ) -> InvalidCheckpointState:
+        return error(detail, path=self.manifest_path if in_manifest else self.path, participant=self.participant)
 
 
 def _lines(chunks: Iterable[bytes]) -> Iterator[list[bytes | memoryview]]:
@@ -303,7 +307,9 @@ def read_records(
         raise expected.fail(RecordUndecodable, undecodable)
     if line_number != expected.count:
         raise expected.fail(
-            RecordCountMismatch, f"records file has {line_number} records, manifest says {expected.count}"
+            RecordCountMismatch,
+            f"records file has {line_number} records, manifest says {expected.count}",
+            in_manifest=True,
         )
     episode_ids.sort()
     if tuple(episode_ids) != expected.episode_ids:
@@ -312,4 +318,5 @@ def read_records(
         raise expected.fail(
             EpisodeIdsMismatch,
             f"records hold episodes the manifest does not list ({extra}), miss listed ones ({missing}) or repeat one",
+            in_manifest=True,
         )
