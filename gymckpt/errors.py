@@ -13,6 +13,19 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
     │   └── UnsupportedStorage                   a backend lacks a capability the store needs
     ├── WriteStopped                             a write was stopped before it published
     ├── ManifestConflict (FileExistsError)       another manifest is already published there
+    ├── ControlError                             control-plane refusals, each with its wire code
+    │   ├── StaleCheckpoint                      409 stale_checkpoint: a resumed checkpoint's late call
+    │   ├── CheckpointConflict                   409 checkpoint_conflict: another id open, other args
+    │   ├── InvalidPhase                         409 invalid_phase
+    │   ├── DeadlineExceeded (TimeoutError)      409 deadline_exceeded
+    │   ├── StaleAttempt                         409 stale_attempt: a retired attempt's request
+    │   ├── RestartInScope                       409 restart_in_scope
+    │   ├── ExportFailed                         409 export_failed: this checkpoint id is over
+    │   ├── AdmissionClosed                      409 admission_closed: new work while closed
+    │   ├── RolloutIdRequired                    400 rollout_id_required
+    │   ├── InvalidRolloutId (ValueError)        400 invalid_rollout_id
+    │   ├── CheckpointDirNotAllowed              403 checkpoint_dir_not_allowed (allowed_roots)
+    │   └── Unauthorized                         401 unauthorized
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -35,11 +48,19 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
 from __future__ import annotations
 
 __all__ = [
+    "AdmissionClosed",
+    "CheckpointConflict",
+    "CheckpointDirNotAllowed",
     "CheckpointIndexInvalid",
+    "ControlError",
+    "DeadlineExceeded",
     "EpisodeIdsMismatch",
+    "ExportFailed",
     "GymckptError",
     "InvalidCheckpointState",
+    "InvalidPhase",
     "InvalidRecord",
+    "InvalidRolloutId",
     "ManifestConflict",
     "ManifestFieldInvalid",
     "ManifestNotJSON",
@@ -54,7 +75,12 @@ __all__ = [
     "RecordsNameInvalid",
     "RecordsPathEscapes",
     "RecordsSizeMismatch",
+    "RestartInScope",
+    "RolloutIdRequired",
+    "StaleAttempt",
+    "StaleCheckpoint",
     "StorageError",
+    "Unauthorized",
     "UnsupportedSchemaVersion",
     "UnsupportedStorage",
     "UnusableDirectory",
@@ -133,6 +159,65 @@ class ManifestConflict(GymckptError, FileExistsError):
 
     def __str__(self) -> str:
         return self.detail
+
+
+class ControlError(GymckptError):
+    """A control-plane refusal; ``code`` and ``status`` go on the wire."""
+
+    code = "control_error"
+    status = 409
+
+
+class StaleCheckpoint(ControlError):
+    code = "stale_checkpoint"
+
+
+class CheckpointConflict(ControlError):
+    code = "checkpoint_conflict"
+
+
+class InvalidPhase(ControlError):
+    code = "invalid_phase"
+
+
+class DeadlineExceeded(ControlError, TimeoutError):
+    code = "deadline_exceeded"
+
+
+class StaleAttempt(ControlError):
+    code = "stale_attempt"
+
+
+class RestartInScope(ControlError):
+    code = "restart_in_scope"
+
+
+class ExportFailed(ControlError):
+    code = "export_failed"
+
+
+class AdmissionClosed(ControlError):
+    code = "admission_closed"
+
+
+class RolloutIdRequired(ControlError):
+    code = "rollout_id_required"
+    status = 400
+
+
+class InvalidRolloutId(ControlError, ValueError):
+    code = "invalid_rollout_id"
+    status = 400
+
+
+class CheckpointDirNotAllowed(ControlError):
+    code = "checkpoint_dir_not_allowed"
+    status = 403
+
+
+class Unauthorized(ControlError):
+    code = "unauthorized"
+    status = 401
 
 
 class InvalidCheckpointState(GymckptError, ValueError):

@@ -1,0 +1,164 @@
+"""Request and reply bodies of the control routes (C2): unknown fields are refused."""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+__all__ = [
+    "CommitReply",
+    "CommitRequest",
+    "ControlRequest",
+    "ErrorBody",
+    "ErrorDetail",
+    "ForgetReply",
+    "ForgetRequest",
+    "Phase",
+    "PrepareReply",
+    "PrepareReport",
+    "RenewReply",
+    "RestoreReply",
+    "RestoreRequest",
+    "ResumeReply",
+    "RetireReply",
+    "RetireRequest",
+    "StatusReply",
+]
+
+
+class Phase(StrEnum):
+    """A participant's checkpoint phase (C4)."""
+
+    IDLE = "idle"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    RESTORED = "restored"
+
+
+def _finite(value: float) -> float:
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("deadline_ts must be a finite, positive epoch time in seconds")
+    return value
+
+
+CheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+DeadlineTs = Annotated[float, AfterValidator(_finite)]
+#: a capture key: ``r`` or ``r-aN``; never empty, never a path separator or whitespace
+CaptureKey = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^/\s\x00]+$")]
+RolloutId = CaptureKey
+CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ControlRequest(_Strict):
+    """Every control request: the checkpoint it belongs to and when the caller gives up."""
+
+    checkpoint_id: CheckpointId
+    deadline_ts: DeadlineTs = Field(description="Absolute deadline, epoch seconds.")
+
+
+class CommitRequest(ControlRequest):
+    checkpoint_dir: CheckpointDir = Field(description="Local path or fsspec URL of the checkpoint directory.")
+    episode_ids: list[CaptureKey] = Field(description="The scope: capture keys the controller continues.")
+
+
+class RestoreRequest(ControlRequest):
+    checkpoint_dir: CheckpointDir
+    episode_ids: list[CaptureKey]
+
+
+class RetireRequest(ControlRequest):
+    episode_ids: list[CaptureKey] = Field(min_length=1)
+
+
+class ForgetRequest(ControlRequest):
+    rollout_ids: list[RolloutId] = Field(min_length=1)
+
+
+class PrepareReport(BaseModel):
+    """Readiness at a prepare's reply: blockers are capped, restarts never are."""
+
+    ready: bool
+    blockers: list[str] = Field(default_factory=list, description="The first 100 blocking capture keys.")
+    blocker_count: int = 0
+    counts: dict[str, int] = Field(default_factory=dict)
+    restarts: list[str] = Field(default_factory=list)
+
+
+class PrepareReply(BaseModel):
+    phase: Phase
+    report: PrepareReport
+
+
+class CommitReply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    phase: Phase
+    checkpoint_id: str
+    checkpoint_dir: str
+    manifest: str = Field(description="Path of the manifest, relative to checkpoint_dir.")
+    manifest_sha256: str
+    records_file: str
+    record_count: int
+    records_bytes: int
+    episode_ids: list[str] = Field(description="Episodes with a record, sorted.")
+
+
+class RestoreReply(BaseModel):
+    phase: Phase
+    source_checkpoint_id: str
+    restored: list[str] = Field(description="Next-attempt capture keys the records were installed under.")
+
+
+class ResumeReply(BaseModel):
+    phase: Phase
+    checkpoint_id: str
+
+
+class RenewReply(BaseModel):
+    phase: Phase
+    checkpoint_id: str
+    lease_expires_at: float
+
+
+class RetireReply(BaseModel):
+    retired_count: int
+
+
+class ForgetReply(BaseModel):
+    forgotten_count: int
+
+
+class StatusReply(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    kind: str
+    instance: str
+    phase: Phase
+    checkpoint_id: str | None
+    lease_expires_at: float | None
+    retired_rollouts: int
+    report: PrepareReport
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    detail: str
+
+
+class ErrorBody(BaseModel):
+    """Every error reply: ``{"error": {"code", "detail"}}``."""
+
+    error: ErrorDetail
+
+
+def error_body(code: str, detail: str) -> dict[str, Any]:
+    """The wire form of an error."""
+    return {"error": {"code": code, "detail": detail}}

@@ -1,0 +1,554 @@
+"""One control plane per server: phases, fencing, the readiness wait, leases, marks, storage.
+
+Export, store and cleanup of a checkpoint run as shielded tasks: a deadline ends the
+caller's wait, never the work, so a retried commit awaits the running task or returns
+its finished result, and a retry after a failed store stores the same records again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.control.allowed_roots import check_allowed
+from gymckpt.control.marks import RetireMarks, capture_key, split_capture_key
+from gymckpt.control.models import (
+    CommitReply,
+    ForgetReply,
+    Phase,
+    PrepareReply,
+    PrepareReport,
+    RenewReply,
+    RestoreReply,
+    ResumeReply,
+    RetireReply,
+    StatusReply,
+)
+from gymckpt.errors import (
+    CheckpointConflict,
+    DeadlineExceeded,
+    ExportFailed,
+    InvalidPhase,
+    RestartInScope,
+    StaleCheckpoint,
+)
+from gymckpt.store import WriteStop, open_store
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from gymckpt.control.models import (
+        CommitRequest,
+        ControlRequest,
+        ForgetRequest,
+        RestoreRequest,
+        RetireRequest,
+    )
+    from gymckpt.control.participant import Participant
+    from gymckpt.store import CheckpointStore
+
+__all__ = ["ControlPlane", "LEASE_RETRY_SECONDS", "REMEMBERED_CHECKPOINTS"]
+
+logger = logging.getLogger("gymckpt.control")
+
+REMEMBERED_CHECKPOINTS = 64
+LEASE_RETRY_SECONDS = 30.0
+MAX_BLOCKERS = 100
+
+
+@dataclass
+class _Checkpoint:
+    """What one open checkpoint has done so far."""
+
+    checkpoint_id: str
+    stop: WriteStop = field(default_factory=WriteStop)
+    export_task: asyncio.Task[list[dict[str, Any]]] | None = None
+    commit_task: asyncio.Task[CommitReply] | None = None
+    commit_args: tuple[str, tuple[str, ...]] | None = None
+    committed: CommitReply | None = None
+
+
+@dataclass
+class _Restore:
+    checkpoint_id: str
+    args: tuple[str, tuple[str, ...]]
+    task: asyncio.Task[RestoreReply]
+
+
+class ControlPlane:
+    """Drives one :class:`Participant` through checkpoints on behalf of a controller.
+
+    Parameters
+    ----------
+    participant:
+        The server's participant.
+    lease_grace_seconds:
+        Added to a request's deadline to form the lease; an expired lease resumes.
+    storage_options:
+        Passed to :func:`gymckpt.store.open_store` for every checkpoint directory.
+    allowed_roots:
+        Where checkpoint directories may lie; ``None`` allows any.
+    clock:
+        Epoch seconds (deadlines are absolute epoch times).
+    """
+
+    def __init__(
+        self,
+        participant: Participant,
+        *,
+        lease_grace_seconds: float = 600.0,
+        storage_options: dict[str, Any] | None = None,
+        allowed_roots: list[str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.participant = participant
+        self.lease_grace_seconds = lease_grace_seconds
+        self.storage_options = dict(storage_options or {})
+        self.allowed_roots = allowed_roots
+        self.clock = clock
+        self.marks = RetireMarks()
+        self.phase = Phase.IDLE
+        self.lease_expires_at: float | None = None
+        self._open: _Checkpoint | None = None
+        self._resumed: deque[str] = deque(maxlen=REMEMBERED_CHECKPOINTS)
+        self._export_failed: set[str] = set()
+        self._fresh = True
+        self._restore: _Restore | None = None
+        self._restored_keys: set[str] = set()
+        self._reopen_pending = False
+        self._retire_tasks: dict[frozenset[str], asyncio.Task[None]] = {}
+        self._readiness = asyncio.Event()
+        self._lease_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        participant.add_readiness_listener(self._readiness_changed)
+
+    # --- helpers
+
+    def _readiness_changed(self) -> None:
+        loop = self._loop
+        if loop is None:
+            self._readiness.set()
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._readiness.set()
+        else:
+            loop.call_soon_threadsafe(self._readiness.set)
+
+    def _remaining(self, deadline_ts: float) -> float:
+        return deadline_ts - self.clock()
+
+    async def _within(self, deadline_ts: float, awaitable: Awaitable[Any], what: str) -> Any:
+        """Await ``awaitable`` until the deadline; a shielded task keeps running past it."""
+        remaining = self._remaining(deadline_ts)
+        try:
+            return await asyncio.wait_for(awaitable, timeout=max(remaining, 0.0))
+        except TimeoutError:
+            raise DeadlineExceeded(f"{what} did not finish before the deadline") from None
+
+    def _report(self) -> PrepareReport:
+        participant = self.participant
+        ready = participant.ready()
+        return PrepareReport(
+            ready=ready,
+            blockers=[] if ready else participant.blockers(MAX_BLOCKERS),
+            blocker_count=0 if ready else participant.blocker_count(),
+            counts=participant.counts(),
+            restarts=participant.restarts(),
+        )
+
+    def _check_not_stale(self, checkpoint_id: str) -> None:
+        if checkpoint_id in self._resumed:
+            raise StaleCheckpoint(f"checkpoint {checkpoint_id!r} was already resumed")
+
+    def _open_checkpoint(self, checkpoint_id: str) -> _Checkpoint:
+        """The open checkpoint named ``checkpoint_id``, or the refusal that fits."""
+        self._check_not_stale(checkpoint_id)
+        current = self._open
+        if current is None:
+            raise InvalidPhase(f"no checkpoint is open (phase {self.phase}); prepare {checkpoint_id!r} first")
+        if current.checkpoint_id != checkpoint_id:
+            raise CheckpointConflict(f"checkpoint {current.checkpoint_id!r} is open, not {checkpoint_id!r}")
+        return current
+
+    def _store_for(self, checkpoint_dir: str) -> CheckpointStore:
+        check_allowed(checkpoint_dir, self.allowed_roots)
+        return open_store(checkpoint_dir, **self.storage_options)
+
+    def _extend_lease(self, deadline_ts: float) -> None:
+        self.lease_expires_at = deadline_ts + self.lease_grace_seconds
+        self._loop = asyncio.get_running_loop()
+        if self._lease_task is None or self._lease_task.done():
+            self._lease_task = asyncio.create_task(self._watch_lease(), name="gymckpt-lease")
+
+    def _current_id(self) -> str | None:
+        if self._open is not None:
+            return self._open.checkpoint_id
+        if self._restore is not None and self.phase is Phase.RESTORED:
+            return self._restore.checkpoint_id
+        return None
+
+    # --- routes
+
+    def status(self) -> StatusReply:
+        """The participant's phase, lease, marks and readiness (C11)."""
+        return StatusReply(
+            kind=self.participant.kind,
+            instance=self.participant.instance,
+            phase=self.phase,
+            checkpoint_id=self._current_id(),
+            lease_expires_at=self.lease_expires_at,
+            retired_rollouts=len(self.marks),
+            report=self._report(),
+            **self.participant.status_extra(),
+        )
+
+    async def prepare(self, request: ControlRequest) -> PrepareReply:
+        """Close admission and wait until ready or the deadline (C5)."""
+        self._loop = asyncio.get_running_loop()
+        self._check_not_stale(request.checkpoint_id)
+        if self._open is not None and self._open.checkpoint_id != request.checkpoint_id:
+            raise CheckpointConflict(f"checkpoint {self._open.checkpoint_id!r} is open, not {request.checkpoint_id!r}")
+        if self.phase is Phase.RESTORED:
+            raise InvalidPhase("a restore is open: resume it before preparing a checkpoint")
+        if request.checkpoint_id in self._export_failed:
+            raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
+        if self._open is None:
+            self._fresh = False
+            self._open = _Checkpoint(request.checkpoint_id)
+            self.phase = Phase.PREPARING
+            self._extend_lease(request.deadline_ts)
+            try:
+                await self.participant.close_admission()
+            except BaseException:
+                await self._reopen_after_failed_close()
+                raise
+        else:
+            self._extend_lease(max(request.deadline_ts, (self.lease_expires_at or 0) - self.lease_grace_seconds))
+        if self.phase is Phase.PREPARING:
+            await self._wait_ready(request.deadline_ts)
+            if self.participant.ready() and self.phase is Phase.PREPARING:
+                self.phase = Phase.PREPARED
+        return PrepareReply(phase=self.phase, report=self._report())
+
+    async def _reopen_after_failed_close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.participant.open_admission()
+        if self._open is not None:
+            self._resumed.append(self._open.checkpoint_id)
+        self._open = None
+        self.phase = Phase.IDLE
+        self.lease_expires_at = None
+
+    async def _wait_ready(self, deadline_ts: float) -> None:
+        while not self.participant.ready():
+            remaining = self._remaining(deadline_ts)
+            if remaining <= 0:
+                return
+            self._readiness.clear()
+            if self.participant.ready():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._readiness.wait(), timeout=remaining)
+
+    async def renew(self, request: ControlRequest) -> RenewReply:
+        """Extend the lease of the open checkpoint (or restore)."""
+        if self.phase is Phase.RESTORED and self._restore is not None:
+            if self._restore.checkpoint_id != request.checkpoint_id:
+                raise CheckpointConflict(f"restore of {self._restore.checkpoint_id!r} is open")
+        else:
+            self._open_checkpoint(request.checkpoint_id)
+        self._extend_lease(request.deadline_ts)
+        assert self.lease_expires_at is not None
+        return RenewReply(phase=self.phase, checkpoint_id=request.checkpoint_id, lease_expires_at=self.lease_expires_at)
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        """Export once, store through the store, delete unscoped restored state (C6)."""
+        self._check_not_stale(request.checkpoint_id)
+        if request.checkpoint_id in self._export_failed:
+            raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
+        checkpoint = self._open_checkpoint(request.checkpoint_id)
+        args = (request.checkpoint_dir, tuple(sorted(set(request.episode_ids))))
+        if checkpoint.commit_args is not None and checkpoint.commit_args != args:
+            raise CheckpointConflict(
+                f"checkpoint {request.checkpoint_id!r} is being committed with another directory or scope"
+            )
+        if checkpoint.committed is not None:
+            return checkpoint.committed
+        task = checkpoint.commit_task
+        if task is None or (task.done() and not _succeeded(task)):
+            if task is None:
+                self._check_commit_start(checkpoint, request)
+            store = self._store_for(request.checkpoint_dir)
+            checkpoint.commit_args = args
+            task = asyncio.create_task(self._run_commit(checkpoint, store, list(args[1])), name="gymckpt-commit")
+            checkpoint.commit_task = task
+        return await self._within(request.deadline_ts, asyncio.shield(task), "the commit")
+
+    def _check_commit_start(self, checkpoint: _Checkpoint, request: CommitRequest) -> None:
+        restarts = set(self.participant.restarts()).intersection(request.episode_ids)
+        if restarts:
+            raise RestartInScope(f"the scope names restarts, which are never exported: {sorted(restarts)[:10]}")
+        if self.phase is Phase.PREPARING and not self.participant.ready():
+            raise InvalidPhase(
+                f"not prepared: {self.participant.blocker_count()} executions are not at a boundary; prepare again"
+            )
+        if not self.participant.ready():
+            self._export_failed.add(checkpoint.checkpoint_id)
+            raise ExportFailed("readiness regressed after prepare; resume and prepare a new checkpoint id")
+        self.phase = Phase.PREPARED
+
+    async def _run_commit(self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str]) -> CommitReply:
+        if checkpoint.export_task is None:
+            checkpoint.export_task = asyncio.create_task(self._export(scope), name="gymckpt-export")
+        try:
+            records = await checkpoint.export_task
+        except asyncio.CancelledError:
+            self._export_failed.add(checkpoint.checkpoint_id)
+            raise
+        except Exception as exc:
+            self._export_failed.add(checkpoint.checkpoint_id)
+            raise ExportFailed(f"the export failed: {exc}") from exc
+        participant = self.participant
+        manifest = await asyncio.to_thread(
+            store.write_participant,
+            "",
+            kind=participant.kind,
+            instance=participant.instance,
+            checkpoint_id=checkpoint.checkpoint_id,
+            records=records,
+            extra=participant.manifest_extra(),
+            stop=checkpoint.stop,
+        )
+        unscoped = sorted(self._restored_keys.difference(scope))
+        if unscoped:
+            await participant.delete_restored(unscoped)
+        self._restored_keys.intersection_update(scope)
+        reply = CommitReply(
+            phase=Phase.COMMITTED,
+            checkpoint_id=checkpoint.checkpoint_id,
+            checkpoint_dir=store.url,
+            manifest=manifest.path,
+            manifest_sha256=manifest.sha256,
+            records_file=manifest.records_file,
+            record_count=manifest.record_count,
+            records_bytes=manifest.records_bytes,
+            episode_ids=list(manifest.episode_ids),
+            **participant.commit_reply_extra(),
+        )
+        checkpoint.committed = reply
+        if self._open is checkpoint:
+            self.phase = Phase.COMMITTED
+        return reply
+
+    async def _export(self, scope: list[str]) -> list[dict[str, Any]]:
+        return list(await self.participant.export(scope))
+
+    async def resume(self, request: ControlRequest) -> ResumeReply:
+        """Reopen admission, cancel an export, wait for cleanup, stop the writer (C7).
+
+        A repeated resume is a no-op reply; one that runs out of time keeps the phase.
+        """
+        if self.phase is Phase.RESTORED:
+            await self._finish_restore(request.checkpoint_id, request.deadline_ts)
+        elif self._open is not None:
+            if self._open.checkpoint_id != request.checkpoint_id:
+                if request.checkpoint_id in self._resumed:
+                    return ResumeReply(phase=self.phase, checkpoint_id=request.checkpoint_id)
+                raise CheckpointConflict(
+                    f"checkpoint {self._open.checkpoint_id!r} is open, not {request.checkpoint_id!r}"
+                )
+            await self._end_checkpoint(self._open, request.deadline_ts)
+        elif self._reopen_pending:
+            await self._within(request.deadline_ts, self.participant.open_admission(), "reopening admission")
+            self._reopen_pending = False
+        return ResumeReply(phase=self.phase, checkpoint_id=request.checkpoint_id)
+
+    async def _end_checkpoint(self, checkpoint: _Checkpoint, deadline_ts: float) -> None:
+        if checkpoint.export_task is not None and not checkpoint.export_task.done():
+            checkpoint.export_task.cancel()
+        # stop() takes the writer's lock: it returns once no manifest of this checkpoint can appear
+        await self._within(deadline_ts, asyncio.shield(asyncio.to_thread(checkpoint.stop.stop)), "stopping the write")
+        task = checkpoint.commit_task
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self._within(deadline_ts, _settled(task), "the commit's cleanup")
+            if not task.done():
+                raise DeadlineExceeded("the commit's cleanup of restored state is still running; resume again")
+        await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
+        self._resumed.append(checkpoint.checkpoint_id)
+        self._export_failed.discard(checkpoint.checkpoint_id)
+        self._open = None
+        self.phase = Phase.IDLE
+        self.lease_expires_at = None
+
+    async def _finish_restore(self, checkpoint_id: str, deadline_ts: float) -> None:
+        """Resume a restore: wait for its install, then reopen admission."""
+        restore = self._restore
+        assert restore is not None
+        if restore.checkpoint_id != checkpoint_id:
+            raise CheckpointConflict(f"restore of {restore.checkpoint_id!r} is open, not {checkpoint_id!r}")
+        if not restore.task.done():
+            await self._within(deadline_ts, _settled(restore.task), "the restore's install")
+        await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
+        self._reopen_pending = False
+        self._resumed.append(checkpoint_id)
+        self.phase = Phase.IDLE
+        self.lease_expires_at = None
+
+    async def retire(self, request: RetireRequest) -> RetireReply:
+        """Mark first, then stop, wait for and free the attempts (C9)."""
+        if self.phase not in (Phase.IDLE, Phase.RESTORED):
+            raise InvalidPhase(f"retire is refused while a checkpoint is {self.phase}: resume first")
+        keys = sorted(set(request.episode_ids))
+        for key in keys:
+            self.marks.mark(key)
+        if self._restore is not None and not self._restore.task.done():
+            await self._within(request.deadline_ts, _settled(self._restore.task), "the restore's install")
+        group = frozenset(keys)
+        task = self._retire_tasks.get(group)
+        if task is None or task.done():
+            task = asyncio.create_task(self.participant.retire(keys), name="gymckpt-retire")
+            self._retire_tasks[group] = task
+            task.add_done_callback(lambda done, group=group: self._retire_tasks.pop(group, None))
+        await self._within(request.deadline_ts, asyncio.shield(task), "the retire")
+        self._restored_keys.difference_update(keys)
+        return RetireReply(retired_count=len(keys))
+
+    async def forget(self, request: ForgetRequest) -> ForgetReply:
+        """End the refusal of these rollouts' retired attempts."""
+        if self.phase not in (Phase.IDLE, Phase.RESTORED):
+            raise InvalidPhase(f"forget is refused while a checkpoint is {self.phase}: resume first")
+        return ForgetReply(forgotten_count=self.marks.forget(request.rollout_ids))
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply:
+        """Read, verify and install the scoped records under their next attempt (C10)."""
+        self._loop = asyncio.get_running_loop()
+        args = (request.checkpoint_dir, tuple(sorted(set(request.episode_ids))))
+        previous = self._restore
+        if previous is not None and previous.checkpoint_id == request.checkpoint_id and not previous.task.done():
+            if previous.args != args:
+                raise CheckpointConflict("this restore is running with another directory or scope")
+            return await self._within(request.deadline_ts, asyncio.shield(previous.task), "the restore")
+        if previous is not None and previous.task.done() and _succeeded(previous.task):
+            if previous.checkpoint_id == request.checkpoint_id and previous.args == args:
+                return previous.task.result()
+            raise CheckpointConflict(
+                f"checkpoint {previous.checkpoint_id!r} was already restored here with its own directory and scope"
+            )
+        if previous is not None and not previous.task.done():
+            await self._within(request.deadline_ts, _settled(previous.task), "the previous restore's install")
+        if not self._fresh or self._open is not None or self.phase is not Phase.IDLE:
+            raise InvalidPhase("restore runs only in a fresh process, before any checkpoint")
+        store = self._store_for(request.checkpoint_dir)
+        for key in args[1]:
+            self.marks.mark(key)  # the captured attempt is replaced by the next one: refuse it from now on
+        self.phase = Phase.RESTORED
+        self._extend_lease(request.deadline_ts)
+        try:
+            await self.participant.close_admission()
+        except BaseException:
+            self._reopen_pending = True
+            await self._fail_restore()
+            raise
+        task = asyncio.create_task(
+            self._run_restore(request.checkpoint_id, store, list(args[1])), name="gymckpt-restore"
+        )
+        self._restore = _Restore(request.checkpoint_id, args, task)
+        try:
+            return await self._within(request.deadline_ts, asyncio.shield(task), "the restore")
+        except DeadlineExceeded:
+            raise
+        except BaseException:
+            await self._fail_restore()
+            raise
+
+    async def _fail_restore(self) -> None:
+        try:
+            await self.participant.open_admission()
+            self._reopen_pending = False
+        except Exception:
+            logger.exception("reopening admission after a failed restore failed; the next resume retries it")
+            self._reopen_pending = True
+        self.phase = Phase.IDLE
+        self.lease_expires_at = None
+
+    async def _run_restore(self, checkpoint_id: str, store: CheckpointStore, scope: list[str]) -> RestoreReply:
+        participant = self.participant
+        next_keys = {key: capture_key(*_next(key)) for key in scope}
+        records = await asyncio.to_thread(
+            _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
+        )
+        installed_scope = sorted(next_keys.values())
+        await participant.install(records, installed_scope)
+        self._restored_keys = set(installed_scope)
+        return RestoreReply(phase=Phase.RESTORED, source_checkpoint_id=checkpoint_id, restored=installed_scope)
+
+    # --- lease
+
+    async def _watch_lease(self) -> None:
+        while self.lease_expires_at is not None:
+            delay = self.lease_expires_at - self.clock()
+            if delay > 0:
+                await asyncio.sleep(min(delay, LEASE_RETRY_SECONDS))
+                continue
+            try:
+                await self.expire_lease()
+            except Exception:
+                logger.exception("resuming after the lease expired failed; retrying in %s s", LEASE_RETRY_SECONDS)
+                self.lease_expires_at = self.clock() + LEASE_RETRY_SECONDS
+
+    async def expire_lease(self) -> bool:
+        """Resume by itself if the lease has expired (C8); True when it did."""
+        if self.lease_expires_at is None or self.lease_expires_at > self.clock():
+            return False
+        deadline_ts = self.clock() + LEASE_RETRY_SECONDS
+        if self._open is not None:
+            logger.warning("lease of checkpoint %s expired: resuming", self._open.checkpoint_id)
+            await self._end_checkpoint(self._open, deadline_ts)
+        elif self._restore is not None and self.phase is Phase.RESTORED:
+            logger.warning("lease of restore %s expired: resuming", self._restore.checkpoint_id)
+            await self._finish_restore(self._restore.checkpoint_id, deadline_ts)
+        else:
+            self.lease_expires_at = None
+        return True
+
+    async def close(self) -> None:
+        """Stop the lease watcher (server shutdown)."""
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._lease_task
+
+
+async def _settled(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` without cancelling it and without raising its outcome."""
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.shield(task)
+
+
+def _succeeded(task: asyncio.Task[Any]) -> bool:
+    return not task.cancelled() and task.exception() is None
+
+
+def _next(key: str) -> tuple[str, int]:
+    rollout, attempt = split_capture_key(key)
+    return rollout, attempt + 1
+
+
+def _read_scope(
+    store: CheckpointStore, kind: str, instance: str, scope: set[str], next_keys: dict[str, str]
+) -> list[dict[str, Any]]:
+    records = []
+    for record in store.read_participant("", kind=kind, instance=instance, scope=scope):
+        record["episode_id"] = next_keys[record["episode_id"]]
+        records.append(record)
+    return records

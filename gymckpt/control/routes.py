@@ -1,0 +1,131 @@
+"""The control routes under ``/ng-control/v1/checkpoint/`` (C1–C3) and the one error handler."""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gymckpt.control.models import (
+    CommitReply,
+    CommitRequest,
+    ControlRequest,
+    ErrorBody,
+    ForgetReply,
+    ForgetRequest,
+    PrepareReply,
+    RenewReply,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    RetireReply,
+    RetireRequest,
+    StatusReply,
+    error_body,
+)
+from gymckpt.errors import GymckptError, Unauthorized
+
+if TYPE_CHECKING:
+    from starlette.responses import Response
+
+    from gymckpt.control.plane import ControlPlane
+
+__all__ = ["CONTROL_PREFIX", "control_router", "install_control", "install_error_handlers"]
+
+CONTROL_PREFIX = "/ng-control/v1/checkpoint"
+
+_ERRORS = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in (
+        (401, "unauthorized"),
+        (409, "stale_checkpoint, checkpoint_conflict, invalid_phase, deadline_exceeded, export_failed, …"),
+        (422, "invalid_checkpoint_state, or an invalid request"),
+    )
+}
+
+
+def control_router(plane: ControlPlane, token: str) -> APIRouter:
+    """The control routes of one server, behind ``Authorization: Bearer <token>``."""
+    if not token:
+        raise ValueError("the control routes need a non-empty control_auth_token")
+    expected = token.encode()
+    bearer = HTTPBearer(auto_error=False, description="The checkpoint block's control_auth_token.")
+
+    async def authorize(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if credentials is None or not secrets.compare_digest(given, expected):
+            raise Unauthorized("missing or wrong bearer token")
+
+    router = APIRouter(prefix=CONTROL_PREFIX, tags=["checkpoint control"], dependencies=[Depends(authorize)])
+
+    @router.get("/status", response_model=StatusReply, responses=_ERRORS)
+    async def status() -> StatusReply:
+        return plane.status()
+
+    @router.post("/prepare", response_model=PrepareReply, responses=_ERRORS)
+    async def prepare(request: ControlRequest) -> PrepareReply:
+        return await plane.prepare(request)
+
+    @router.post("/renew", response_model=RenewReply, responses=_ERRORS)
+    async def renew(request: ControlRequest) -> RenewReply:
+        return await plane.renew(request)
+
+    @router.post("/commit", response_model=CommitReply, responses=_ERRORS)
+    async def commit(request: CommitRequest) -> CommitReply:
+        return await plane.commit(request)
+
+    @router.post("/restore", response_model=RestoreReply, responses=_ERRORS)
+    async def restore(request: RestoreRequest) -> RestoreReply:
+        return await plane.restore(request)
+
+    @router.post("/resume", response_model=ResumeReply, responses=_ERRORS)
+    async def resume(request: ControlRequest) -> ResumeReply:
+        return await plane.resume(request)
+
+    @router.post("/retire", response_model=RetireReply, responses=_ERRORS)
+    async def retire(request: RetireRequest) -> RetireReply:
+        return await plane.retire(request)
+
+    @router.post("/forget", response_model=ForgetReply, responses=_ERRORS)
+    async def forget(request: ForgetRequest) -> ForgetReply:
+        return await plane.forget(request)
+
+    return router
+
+
+async def _gymckpt_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GymckptError)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    return JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every gymckpt error to its wire code and status; control-route validation errors too.
+
+    Validation errors of the app's own routes keep the handler the app had.
+    """
+    app.add_exception_handler(GymckptError, _gymckpt_error)
+    previous = app.exception_handlers.get(RequestValidationError, request_validation_exception_handler)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        if not request.url.path.startswith(CONTROL_PREFIX + "/"):
+            return await previous(request, exc)  # type: ignore[no-any-return]
+        assert isinstance(exc, RequestValidationError)
+        detail = "; ".join(
+            f"{'.'.join(str(part) for part in error.get('loc', ()))}: {error.get('msg', '')}" for error in exc.errors()
+        )
+        return JSONResponse(error_body("invalid_request", detail[:2000]), status_code=422)
+
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def install_control(app: FastAPI, plane: ControlPlane, token: str) -> None:
+    """Add the control routes and the error handlers to ``app``, and stop the lease on shutdown."""
+    app.include_router(control_router(plane, token))
+    install_error_handlers(app)
+    app.router.on_shutdown.append(plane.close)
