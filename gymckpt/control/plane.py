@@ -313,7 +313,10 @@ class ControlPlane:
             records = await checkpoint.export_task
         except asyncio.CancelledError:
             self._export_failed.add(checkpoint.checkpoint_id)
-            raise
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            raise ExportFailed("the export was cancelled by resume; prepare a new checkpoint id") from None
         except Exception as exc:
             self._export_failed.add(checkpoint.checkpoint_id)
             raise ExportFailed(f"the export failed: {exc}") from exc
