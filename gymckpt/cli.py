@@ -19,7 +19,7 @@ from gymckpt.errors import GymckptError, InvalidCheckpointState
 from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
-from gymckpt.store.manifest import MANIFEST_NAME, Manifest
+from gymckpt.store.manifest import MANIFEST_NAME, Manifest, check_name
 from gymckpt.store.verify import NoCheckpointFound, Severity, scan_checkpoints, verify
 
 if TYPE_CHECKING:
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 
-_stdout = Console()
-_stderr = Console(stderr=True)
+_stdout = Console(soft_wrap=True)
+_stderr = Console(stderr=True, soft_wrap=True)
 
 
 def _storage_options(endpoint_url: str | None, options: tuple[str, ...]) -> dict[str, Any]:
@@ -57,7 +57,6 @@ def _storage_arguments(command: Any) -> Any:
     return click.option(
         "--endpoint-url",
         metavar="URL",
-        envvar="GYMCKPT_ENDPOINT_URL",
         help="S3-compatible endpoint, e.g. http://127.0.0.1:9000. Credentials also come from AWS_* variables.",
     )(command)
 
@@ -143,10 +142,13 @@ class _progress:
 
 
 def _print_report(report: VerifyReport) -> None:
-    if report.findings:
+    if report.findings and _stdout.is_terminal:
         table = Table(title=f"Findings for {report.url}", show_lines=False)
-        for column in ("severity", "finding", "participant", "path", "detail"):
-            table.add_column(column, overflow="fold")
+        table.add_column("severity", no_wrap=True)
+        table.add_column("finding", no_wrap=True)
+        table.add_column("participant", no_wrap=True)
+        table.add_column("path", overflow="fold")
+        table.add_column("detail", overflow="fold")
         for finding in report.findings:
             style = "bold red" if finding.severity is Severity.ERROR else "yellow"
             table.add_row(
@@ -157,17 +159,31 @@ def _print_report(report: VerifyReport) -> None:
                 finding.detail + (f"\nfix: {finding.fix}" if finding.fix else ""),
             )
         _stdout.print(table)
+    else:
+        # one finding per line, never wrapped: for logs, grep and copy-paste
+        for finding in report.findings:
+            fix = f" (fix: {finding.fix})" if finding.fix else ""
+            _plain(
+                f"{finding.severity}\t{finding.code}\t{finding.participant or '-'}\t{finding.path}\t{finding.detail}{fix}"
+            )
     mode = "sizes only (--quick)" if report.quick else f"{report.records_checked} records re-read and hashed"
-    _stdout.print(
+    _plain(
         f"{len(report.checkpoints)} checkpoint(s), {len(report.participants)} participant(s), "
         f"{_human(report.bytes_checked)} checked, {mode}: "
-        f"{len(report.errors)} error(s), {len(report.warnings)} warning(s)",
-        highlight=False,
+        f"{len(report.errors)} error(s), {len(report.warnings)} warning(s)"
     )
     if report.ok:
-        _stdout.print("[bold green]OK[/]" + (" (warnings are leftovers, safe to clean up)" if report.warnings else ""))
+        _plain("OK" + (" (warnings are leftovers, safe to clean up)" if report.warnings else ""))
     else:
-        _stdout.print("[bold red]DAMAGED[/]: do not restore from the checkpoints listed above")
+        _plain("DAMAGED: do not restore from the checkpoints listed above")
+
+
+def _plain(line: str) -> None:
+    """A line on stdout, never wrapped or styled (rich would fold it at 80 columns in a pipe)."""
+    if _stdout.is_terminal:
+        _stdout.print(line, highlight=False, markup=False)
+    else:
+        sys.stdout.write(line + "\n")
 
 
 def _human(size: float) -> str:
@@ -194,7 +210,8 @@ def inspect_command(
 ) -> None:
     """List participants, record counts, sizes, episodes and extra fields under URL.
 
-    With --dump, stream one participant's records (verified) as JSONL instead.
+    With --dump, write one participant's records as JSONL instead, after verifying the
+    whole records file (exit 1, and nothing written, if it is damaged).
     """
     options = _storage_options(endpoint_url, storage_option)
     try:
@@ -211,9 +228,21 @@ def inspect_command(
     if as_json:
         sys.stdout.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode() + "\n")
         return
+    if not _stdout.is_terminal:
+        for row in rows:
+            if "damaged" in row:
+                _plain(f"{row['checkpoint'] or '.'}\t{row['participant']}\tdamaged\t{row['damaged']}")
+            else:
+                _plain(
+                    f"{row['checkpoint'] or '.'}\t{row['participant']}\t{row['checkpoint_id']}\t"
+                    f"{row['record_count']} records\t{row['records_bytes']} bytes\t"
+                    f"episodes {','.join(row['episode_ids'][:20])}{',…' if len(row['episode_ids']) > 20 else ''}\t"
+                    f"extra {','.join(row['extra'])}"
+                )
+        return
     table = Table(title=f"Checkpoints under {url}")
     for column in ("checkpoint", "participant", "checkpoint id", "records", "size", "episodes", "extra fields"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, no_wrap=column in ("participant", "checkpoint id"), overflow="fold")
     for row in rows:
         if "damaged" in row:
             table.add_row(row["checkpoint"] or ".", row["participant"], "[red]damaged[/]", "", "", "", row["damaged"])
@@ -256,15 +285,25 @@ def _listing(backend: Any, checkpoints: dict[str, Any]) -> Iterator[dict[str, An
 
 def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episodes: tuple[str, ...]) -> None:
     kind, sep, instance = dump.partition("/")
+    try:
+        check_name("kind", kind)
+        check_name("instance", instance)
+    except ValueError:
+        _fail(f"--dump expects KIND/INSTANCE, e.g. environment/env-0; got {dump!r}")
     if not sep:
-        raise click.BadParameter("expected KIND/INSTANCE, e.g. environment/env-0", param_hint="--dump")
+        _fail(f"--dump expects KIND/INSTANCE, e.g. environment/env-0; got {dump!r}")
     if len(checkpoints) != 1:
         _fail(f"URL holds {len(checkpoints)} checkpoints ({', '.join(checkpoints)}): name one of them in the URL")
-    (checkpoint,) = checkpoints
+    ((checkpoint, files),) = checkpoints.items()
+    if (kind, instance) not in files.participants:
+        present = ", ".join(f"{k}/{i}" for k, i in sorted(files.participants)) or "none"
+        _fail(f"no participant {kind}/{instance} in this checkpoint (present: {present})")
     out = sys.stdout.buffer
     try:
-        records = store.read_participant(checkpoint, kind=kind, instance=instance, scope=episodes or None)
-        for record in records:
+        # verify the whole file first, so nothing unverified reaches stdout
+        for _ in store.read_participant(checkpoint, kind=kind, instance=instance, scope=()):
+            pass
+        for record in store.read_participant(checkpoint, kind=kind, instance=instance, scope=episodes or None):
             out.write(encode_record(record)[1])
     except InvalidCheckpointState as exc:
         _fail(str(exc), EXIT_DAMAGED)
@@ -274,13 +313,24 @@ def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episod
 
 
 @main.command("demo")
-@click.option("--store", "store_url", default="./checkpoints", show_default=True, help="Store root (path or URL).")
+@click.option(
+    "--store",
+    "store_url",
+    default="./checkpoints",
+    show_default=True,
+    help="Store root (path or URL), or 's3' for an S3 endpoint the demo serves itself (moto, no account).",
+)
 @click.option("--episodes", default=64, show_default=True, help="Rollouts per participant.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the generated rollouts.")
 def demo_command(store_url: str, episodes: int, seed: int) -> None:
     """Write a checkpoint of four participants, publish, verify it offline, restore one scope."""
-    from gymckpt.demo import run_store_demo
+    from gymckpt.demo import run_s3_demo, run_store_demo
 
+    if store_url == "s3":
+        try:
+            sys.exit(run_s3_demo(episodes=episodes, seed=seed, console=_stdout))
+        except GymckptError as exc:
+            _fail(str(exc))
     sys.exit(run_store_demo(store_url, episodes=episodes, seed=seed, console=_stdout))
 
 

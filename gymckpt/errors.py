@@ -24,6 +24,7 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
     │   ├── AdmissionClosed                      409 admission_closed: new work while closed
     │   ├── RolloutIdRequired                    400 rollout_id_required
     │   ├── InvalidRolloutId (ValueError)        400 invalid_rollout_id
+    │   │   └── RolloutAttemptConflict           "<id>-aN" given with an attempt index
     │   ├── CheckpointDirNotAllowed              403 checkpoint_dir_not_allowed (allowed_roots)
     │   └── Unauthorized                         401 unauthorized
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
@@ -76,6 +77,7 @@ __all__ = [
     "RecordsPathEscapes",
     "RecordsSizeMismatch",
     "RestartInScope",
+    "RolloutAttemptConflict",
     "RolloutIdRequired",
     "StaleAttempt",
     "StaleCheckpoint",
@@ -208,6 +210,10 @@ class RolloutIdRequired(ControlError):
 class InvalidRolloutId(ControlError, ValueError):
     code = "invalid_rollout_id"
     status = 400
+
+
+class RolloutAttemptConflict(InvalidRolloutId):
+    """An explicit ``"<id>-aN"`` rollout id given together with an attempt index."""
 
 
 class CheckpointDirNotAllowed(ControlError):

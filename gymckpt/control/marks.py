@@ -8,6 +8,7 @@ from gymckpt.errors import InvalidRolloutId, StaleAttempt
 
 __all__ = ["RetireMarks", "capture_key", "split_capture_key"]
 
+MAX_ATTEMPT_DIGITS = 9
 _ATTEMPT_SUFFIX = re.compile(r"^(?P<rollout>.+)-a(?P<attempt>[0-9]+)$")
 
 
@@ -18,9 +19,14 @@ def split_capture_key(key: str) -> tuple[str, int]:
     match = _ATTEMPT_SUFFIX.match(key)
     if match is None:
         return key, 0
-    if match["attempt"].startswith("0"):
-        raise InvalidRolloutId(f"capture key {key!r} has a non-canonical attempt suffix (-a0 or a leading zero)")
-    return match["rollout"], int(match["attempt"])
+    digits = match["attempt"]
+    if digits.startswith("0"):
+        raise InvalidRolloutId(
+            f"capture key {key!r} has a non-canonical attempt suffix: attempt 0 has no suffix, attempts no leading zeros"
+        )
+    if len(digits) > MAX_ATTEMPT_DIGITS:
+        raise InvalidRolloutId(f"capture key {key!r} names an attempt beyond {10**MAX_ATTEMPT_DIGITS - 1}")
+    return match["rollout"], int(digits)
 
 
 def capture_key(rollout_id: str, attempt: int) -> str:

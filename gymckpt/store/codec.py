@@ -45,7 +45,7 @@ EXACT_PREFIX = b'{"episode_id": '
 FAST_PREFIX = b'{"episode_id":"'
 
 _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
-_NONE_TYPE = type(None)
+_SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 _EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTALL)
 
 
@@ -83,14 +83,25 @@ def _path_join(path: str, key: object) -> str:
     return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
 
 
+def _surrogate_pair_problem(text: str) -> bool:
+    """True for a high surrogate followed by a low one: JSON's ``\\ud83d\\ude42`` reads back as one
+    astral character, so such a string cannot round-trip and is refused."""
+    return _SURROGATE_PAIR.search(text) is not None
+
+
 def check_json(value: object, *, episode_id: str | None = None, root: str = "$") -> int:
     """Raise :class:`NotJSONError` naming the first value JSON cannot hold; return the depth.
 
     Accepts exactly dict (string keys), list, str, int, float (NaN and infinities
-    included), bool and None; refuses subclasses, tuples, sets, bytes, datetimes and
-    nesting deeper than :data:`MAX_DEPTH`.
+    included), bool and None; refuses subclasses, tuples, sets, bytes, datetimes,
+    strings holding a surrogate pair as two code points, and nesting deeper than
+    :data:`MAX_DEPTH`. Values are visited in document order.
     """
     where = f"episode {episode_id!r}: " if episode_id is not None else ""
+
+    def refuse(detail: str, path: str) -> NotJSONError:
+        return NotJSONError(f"{where}{detail}", episode_id=episode_id, path=path)
+
     deepest = 0
     stack: list[tuple[object, str, int]] = [(value, root, 0)]
     while stack:
@@ -99,30 +110,27 @@ def check_json(value: object, *, episode_id: str | None = None, root: str = "$")
         if kind is dict or kind is list:
             depth += 1
             if depth > MAX_DEPTH:
-                raise NotJSONError(
-                    f"{where}value at {path} nests deeper than {MAX_DEPTH} levels",
-                    episode_id=episode_id,
-                    path=path,
-                )
+                raise refuse(f"value at {path} nests deeper than {MAX_DEPTH} levels", path)
             deepest = max(deepest, depth)
+            children: list[tuple[object, str, int]] = []
             if kind is dict:
                 for key, item in node.items():  # type: ignore[attr-defined]
                     if type(key) is not str:
-                        raise NotJSONError(
-                            f"{where}key {key!r} ({type(key).__name__}) at {path} is not a string",
-                            episode_id=episode_id,
-                            path=path,
-                        )
-                    stack.append((item, _path_join(path, key), depth))
+                        raise refuse(f"key {key!r} ({type(key).__name__}) at {path} is not a string", path)
+                    if _surrogate_pair_problem(key):
+                        raise refuse(f"key {key!r} at {path} holds a surrogate pair JSON would merge", path)
+                    children.append((item, _path_join(path, key), depth))
             else:
-                for index, item in enumerate(node):  # type: ignore[arg-type]
-                    stack.append((item, _path_join(path, index), depth))
-        elif not (kind is str or kind is int or kind is float or kind is bool or node is None):
-            raise NotJSONError(
-                f"{where}value at {path} is a {kind.__name__}, not JSON "
+                children.extend((item, _path_join(path, index), depth) for index, item in enumerate(node))  # type: ignore[arg-type]
+            stack.extend(reversed(children))
+        elif kind is str:
+            if _surrogate_pair_problem(node):  # type: ignore[arg-type]
+                raise refuse(f"string at {path} holds a surrogate pair JSON would merge into one character", path)
+        elif not (kind is int or kind is float or kind is bool or node is None):
+            raise refuse(
+                f"value at {path} is a {kind.__name__}, not JSON "
                 "(allowed: dict with str keys, list, str, int, float, bool, None)",
-                episode_id=episode_id,
-                path=path,
+                path,
             )
     return deepest
 

@@ -96,11 +96,11 @@ class _ChunkWriter(threading.Thread):
         self.inbox: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
 
     def run(self) -> None:
-        while (batch := self.inbox.get()) is not _END:
+        while (data := self.inbox.get()) is not _END:
             if self.error is not None:
                 continue  # keep draining so the producer never blocks on a dead writer
             try:
-                data = b"".join(batch)  # type: ignore[arg-type]
+                assert isinstance(data, bytearray)
                 self.hasher.update(data)
                 self.sink.write(data)
                 self.size += len(data)
@@ -125,8 +125,9 @@ def write_records(
     writer.start()
     seen: set[str] = set()
     episode_ids: list[str] = []
-    batch: list[bytes] = []
-    batched = 0
+    # lines are copied into the chunk at once: orjson's output of a long string keeps a
+    # worst-case allocation of several times its length for as long as the bytes live
+    batch = bytearray()
     try:
         for record in records:
             if stop is not None and stop.stopped:
@@ -136,13 +137,13 @@ def write_records(
                 raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
             seen.add(episode_id)
             episode_ids.append(episode_id)
-            batch.append(line)
-            batched += len(line)
-            if batched >= chunk_size:
+            batch += line
+            del line
+            if len(batch) >= chunk_size:
                 if writer.error is not None:
                     break
                 writer.inbox.put(batch)
-                batch, batched = [], 0
+                batch = bytearray()
         if batch and writer.error is None:
             writer.inbox.put(batch)
     finally:

@@ -1,0 +1,196 @@
+"""Episode identity: rollout ids, attempts, capture keys and the rollout path prefix (I1).
+
+An episode is one attempt of one rollout. Its capture key names it everywhere:
+``r`` for attempt 0 and ``r-aN`` for attempt ``N >= 1``. The suffix ``-a<N>`` is
+therefore reserved: a rollout id never ends with it, and an explicit id that does
+names attempt ``N`` of the rest of the id.
+
+Decisions this module makes:
+
+- A rollout id is 1 to :data:`MAX_ROLLOUT_ID_LENGTH` characters, all printable, with no
+  whitespace and none of ``/ ? # % \\`` (capture keys travel in URL paths), is not
+  ``.`` or ``..`` (HTTP clients normalize dot segments), and does not end with ``-a``
+  followed by digits.
+- Attempts are plain ints from 0 to :data:`MAX_ATTEMPT`.
+- Only the canonical suffix is accepted: ``-a`` and a decimal number >= 1 without a
+  leading zero. ``r-a0`` (attempt 0 carries no suffix) and ``r-a01`` are refused, never
+  read as attempt 0 of a rollout called ``r-a0``. So every accepted capture key decodes
+  to exactly one :class:`EpisodeId`, whose ``capture_key`` is that key again.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.control.marks import split_capture_key
+from gymckpt.errors import InvalidRolloutId, RolloutAttemptConflict
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+__all__ = [
+    "MAX_ATTEMPT",
+    "MAX_ROLLOUT_ID_LENGTH",
+    "ROLLOUT_PREFIX",
+    "EpisodeId",
+    "InvalidRolloutId",
+    "RolloutAttemptConflict",
+    "default_rollout_id",
+    "rollout_path",
+    "split_rollout_path",
+    "validate_rollout_id",
+]
+
+#: the longest rollout id accepted (a capture key adds at most ``-a`` and nine digits)
+MAX_ROLLOUT_ID_LENGTH = 256
+#: the highest attempt index accepted
+MAX_ATTEMPT = 999_999_999
+#: model and resources calls of a rollout go to ``/ng-rollout/<capture key>/<path>``
+ROLLOUT_PREFIX = "/ng-rollout/"
+
+# ``-a`` and digits at the very end: the reserved attempt suffix (canonical or not)
+_SUFFIX = re.compile(r"-a([0-9]+)\Z")
+# characters a rollout id may not contain (besides non-printable ones)
+_FORBIDDEN = re.compile(r"[\s/?#%\\]")
+
+
+def validate_rollout_id(rollout_id: object) -> str:
+    """Return ``rollout_id`` if it is a valid rollout id (see the module notes), else raise."""
+    if not isinstance(rollout_id, str):
+        raise InvalidRolloutId(f"a rollout id must be a string, not {type(rollout_id).__name__}")
+    if not rollout_id:
+        raise InvalidRolloutId("a rollout id must not be empty")
+    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
+        raise InvalidRolloutId(f"a rollout id is at most {MAX_ROLLOUT_ID_LENGTH} characters, got {len(rollout_id)}")
+    if not rollout_id.isprintable() or _FORBIDDEN.search(rollout_id):
+        raise InvalidRolloutId(
+            f"rollout id {rollout_id!r} contains whitespace, a non-printable character or one of / ? # % \\"
+        )
+    if rollout_id in {".", ".."}:
+        raise InvalidRolloutId(f"rollout id {rollout_id!r} is a path dot segment")
+    match = _SUFFIX.search(rollout_id)
+    if match is not None:
+        raise InvalidRolloutId(
+            f"rollout id {rollout_id!r} ends with the reserved attempt suffix {match.group(0)!r} (-a<N> names an attempt)"
+        )
+    return rollout_id
+
+
+def _validate_attempt(attempt: object, what: str = "attempt") -> int:
+    if isinstance(attempt, bool) or not isinstance(attempt, int):
+        raise InvalidRolloutId(f"an {what} must be an int, not {type(attempt).__name__}")
+    if not 0 <= attempt <= MAX_ATTEMPT:
+        raise InvalidRolloutId(f"an {what} must be between 0 and {MAX_ATTEMPT}, got {attempt}")
+    return attempt
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class EpisodeId:
+    """One attempt of one rollout; ``capture_key`` is its name everywhere."""
+
+    rollout_id: str
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        validate_rollout_id(self.rollout_id)
+        _validate_attempt(self.attempt)
+
+    @property
+    def capture_key(self) -> str:
+        """``r`` for attempt 0, ``r-aN`` for attempt N > 0."""
+        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+
+    def __str__(self) -> str:
+        return self.capture_key
+
+    def next_attempt(self) -> EpisodeId:
+        """The attempt that replaces this one (the one a restore installs records under)."""
+        return EpisodeId(self.rollout_id, self.attempt + 1)
+
+    @classmethod
+    def from_capture_key(cls, key: object) -> EpisodeId:
+        """Decode a capture key; a key with a non-canonical suffix (``r-a0``, ``r-a01``) is refused."""
+        if not isinstance(key, str):
+            raise InvalidRolloutId(f"a capture key must be a string, not {type(key).__name__}")
+        rollout_id, attempt = split_capture_key(key)
+        return cls(rollout_id, attempt)
+
+    @classmethod
+    def from_parts(cls, rollout_id: object, attempt_index: object | None = None) -> EpisodeId:
+        """Combine a run body's rollout id and attempt index.
+
+        An explicit ``"<id>-aN"`` is attempt N of ``<id>``, and may not come with an attempt
+        index (:class:`RolloutAttemptConflict`, whatever the index). A plain id takes the
+        attempt index, 0 when there is none.
+        """
+        if isinstance(rollout_id, str) and _SUFFIX.search(rollout_id) is not None:
+            if attempt_index is not None:
+                raise RolloutAttemptConflict(
+                    f"rollout id {rollout_id!r} already names an attempt and cannot also take attempt index {attempt_index!r}"
+                )
+            return cls.from_capture_key(rollout_id)
+        attempt = 0 if attempt_index is None else _validate_attempt(attempt_index, "attempt index")
+        return cls(validate_rollout_id(rollout_id), attempt)
+
+    @classmethod
+    def from_run_body(cls, body: Mapping[str, Any]) -> EpisodeId | None:
+        """The episode of a legacy flat run body, or None when it names no rollout.
+
+        Reads ``_ng_rollout_id`` and ``_ng_attempt_index``; without an explicit id the id is
+        ``"<_ng_task_index>-<_ng_rollout_index>"`` when both are present.
+        """
+        rollout_id = body.get("_ng_rollout_id")
+        if rollout_id is None:
+            task_index = body.get("_ng_task_index")
+            rollout_index = body.get("_ng_rollout_index")
+            if task_index is None or rollout_index is None:
+                return None
+            rollout_id = default_rollout_id(task_index, rollout_index)
+        return cls.from_parts(rollout_id, body.get("_ng_attempt_index"))
+
+
+def default_rollout_id(task_index: object, rollout_index: object) -> str:
+    """The rollout id of a row without an explicit one: ``"<task index>-<rollout index>"``."""
+    for name, value in (("task index", task_index), ("rollout index", rollout_index)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRolloutId(f"a {name} must be a non-negative int, got {value!r}")
+    return f"{task_index}-{rollout_index}"
+
+
+def rollout_path(capture_key: str | EpisodeId, path: str) -> str:
+    """``/ng-rollout/<capture key><path>`` for a path that starts with ``/``."""
+    key = (
+        capture_key.capture_key
+        if isinstance(capture_key, EpisodeId)
+        else EpisodeId.from_capture_key(capture_key).capture_key
+    )
+    if not path.startswith("/"):
+        raise InvalidRolloutId(f"path {path!r} must start with /")
+    if _is_prefixed(path):
+        raise InvalidRolloutId(f"path {path!r} already carries a rollout prefix")
+    return f"{ROLLOUT_PREFIX}{key}{path}"
+
+
+def split_rollout_path(path: str) -> tuple[EpisodeId | None, str]:
+    """Split a request path into its episode and the path after the rollout prefix.
+
+    A path without the prefix is ``(None, path)``. A prefixed path must have a valid
+    capture key followed by ``/`` and must not be prefixed twice; otherwise
+    :class:`InvalidRolloutId`. The path is the decoded path without a query string.
+    """
+    if not _is_prefixed(path):
+        return None, path
+    key, slash, tail = path[len(ROLLOUT_PREFIX) :].partition("/")
+    if not slash:
+        raise InvalidRolloutId(f"rollout path {path!r} has no path after its capture key")
+    episode = EpisodeId.from_capture_key(key)
+    remaining = "/" + tail
+    if _is_prefixed(remaining):
+        raise InvalidRolloutId(f"rollout path {path!r} carries the rollout prefix twice")
+    return episode, remaining
+
+
+def _is_prefixed(path: str) -> bool:
+    return path.startswith(ROLLOUT_PREFIX) or path == ROLLOUT_PREFIX[:-1]

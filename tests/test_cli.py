@@ -1,0 +1,465 @@
+"""The ``gymckpt`` command: verify, inspect and demo, through click's CliRunner and as a real
+process. Exit status: 0 clean, 1 damage found, 2 usage error or unreachable storage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from gymckpt.cli import main
+from gymckpt.store import open_store, verify
+from gymckpt.store.codec import decode_line
+from gymckpt.store.manifest import RECORDS_NAME_PATTERN
+from gymckpt.store.testing import sample_records
+
+GYMCKPT = Path(sys.executable).parent / "gymckpt"
+#: the width rich uses whenever output is not a terminal (pipes, files, CI logs)
+PIPE_WIDTH = {"COLUMNS": "80"}
+
+
+# --- helpers
+
+
+def assert_identical(expected: Any, actual: Any) -> None:
+    """Type-exact deep equality (types, key order, NaN, the sign of -0.0); iterative."""
+    stack = [(expected, actual, "$")]
+    while stack:
+        left, right, path = stack.pop()
+        assert type(left) is type(right), f"{path}: {type(left).__name__} came back as {type(right).__name__}"
+        if type(left) is dict:
+            assert list(left) == list(right), f"{path}: keys or key order differ"
+            stack.extend((left[key], right[key], f"{path}[{key!r}]") for key in left)
+        elif type(left) is list:
+            assert len(left) == len(right), f"{path}: length differs"
+            stack.extend(
+                (item, other, f"{path}[{index}]") for index, (item, other) in enumerate(zip(left, right, strict=True))
+            )
+        elif type(left) is float and math.isnan(left):
+            assert math.isnan(right), f"{path}: NaN came back as {right!r}"
+        elif type(left) is float:
+            assert left == right and math.copysign(1.0, left) == math.copysign(1.0, right), f"{path}: {right!r}"
+        else:
+            assert left == right, f"{path}: {left!r} came back as {right!r}"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def plain(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+def one_line(text: str) -> str:
+    """Help text with its line breaks and indentation collapsed."""
+    return " ".join(plain(text).split())
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> Result:
+    # GYMCKPT_ENDPOINT_URL from the developer's shell would make every local path a usage error
+    environment: dict[str, str | None] = {"GYMCKPT_ENDPOINT_URL": None, **PIPE_WIDTH, **(env or {})}
+    return CliRunner().invoke(main, list(args), env=environment, catch_exceptions=True)
+
+
+def run_process(*args: str) -> subprocess.CompletedProcess[bytes]:
+    assert GYMCKPT.exists(), f"{GYMCKPT} is not installed (pip install -e .)"
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("GYMCKPT_")}
+    return subprocess.run([str(GYMCKPT), *args], capture_output=True, timeout=300, env=environment, check=False)
+
+
+def deep(levels: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(levels):
+        value = {"down": value}
+    return value
+
+
+def environment_records() -> list[dict[str, Any]]:
+    records = sample_records(20, prefix="4-")
+    records.append(
+        {
+            "episode_id": "edge",
+            "nan": float("nan"),
+            "inf": [float("inf"), float("-inf")],
+            "neg_zero": -0.0,
+            "big": [2**64, -(2**63) - 1, 10**100, -(10**100)],
+            "types": [True, 1, 1.0, None, "1"],
+            "lone": "\ud800 surrogate",
+            "deep": deep(600),
+        }
+    )
+    return records
+
+
+def agent_records() -> list[dict[str, Any]]:
+    return sample_records(7, prefix="9-")
+
+
+def commit(root: Path, checkpoint: str) -> dict[str, Any]:
+    store = open_store(str(root))
+    env = store.write_participant(
+        checkpoint,
+        kind="environment",
+        instance="env-0",
+        checkpoint_id=checkpoint,
+        records=iter(environment_records()),
+        extra={"seed": 3},
+    )
+    agent = store.write_participant(
+        checkpoint, kind="agent", instance="agent-0", checkpoint_id=checkpoint, records=iter(agent_records())
+    )
+    store.publish(checkpoint, [env, agent], extra={"trainer_step": 7})
+    return {"environment": env, "agent": agent}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A store root holding one published checkpoint, ``ck-7``, of two participants."""
+    store_root = tmp_path / "store"
+    commit(store_root, "ck-7")
+    return store_root
+
+
+def records_file(checkpoint: Path, participant: str = "environment/env-0") -> Path:
+    (found,) = (checkpoint / "gym" / participant).glob("records-*.jsonl")
+    return found
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def report_of(result: Result) -> dict[str, Any]:
+    return json.loads(result.stdout)
+
+
+# --- verify
+
+
+def test_verify_a_good_checkpoint_exits_0(root: Path) -> None:
+    result = run("verify", str(root / "ck-7"))
+    assert result.exit_code == 0, result.output
+    text = plain(result.stdout)
+    assert "OK" in text and "DAMAGED" not in text
+    assert "0 error(s)" in text
+
+    result = run("verify", str(root / "ck-7"), "--json")
+    assert result.exit_code == 0
+    report = report_of(result)
+    assert report["ok"] is True
+    assert report["findings"] == []
+    assert report["errors"] == 0
+    assert report["participants"] == 2
+    assert report["records_checked"] == len(environment_records()) + len(agent_records())
+
+
+def test_verify_a_flipped_byte_exits_1_and_names_the_finding_and_file(root: Path) -> None:
+    damaged = records_file(root / "ck-7")
+    flip_byte(damaged)
+    result = run("verify", str(root / "ck-7"), "--json")
+    assert result.exit_code == 1, result.output
+    report = report_of(result)
+    assert report["ok"] is False
+    assert report["errors"] == 1
+    (finding,) = report["findings"]
+    assert finding["code"] == "records_digest_mismatch"
+    assert finding["severity"] == "error"
+    assert finding["participant"] == "environment/env-0"
+    assert finding["path"] == f"gym/environment/env-0/{damaged.name}"
+
+
+def test_verify_human_report_names_the_finding_and_the_file(root: Path) -> None:
+    """Piped or logged (not a terminal), the report must still name the finding code and the
+    damaged file so that it can be grepped and copied."""
+    damaged = records_file(root / "ck-7")
+    flip_byte(damaged)
+    result = run("verify", str(root / "ck-7"))
+    assert result.exit_code == 1
+    text = plain(result.stdout)
+    assert "DAMAGED" in text
+    assert "records_digest_mismatch" in text, text
+    assert f"gym/environment/env-0/{damaged.name}" in text, text
+
+
+def test_verify_quick_skips_hashing_but_sees_truncation(root: Path) -> None:
+    damaged = records_file(root / "ck-7")
+    flip_byte(damaged)
+    result = run("verify", str(root / "ck-7"), "--quick", "--json")
+    assert result.exit_code == 0, result.output
+    report = report_of(result)
+    assert report["ok"] is True and report["quick"] is True
+    assert report["records_checked"] == 0
+
+    damaged.write_bytes(damaged.read_bytes()[:-1])
+    result = run("verify", str(root / "ck-7"), "--quick", "--json")
+    assert result.exit_code == 1, result.output
+    codes = [finding["code"] for finding in report_of(result)["findings"]]
+    assert codes == ["records_size_mismatch"]
+
+    result = run("verify", str(root / "ck-7"), "--quick")
+    assert result.exit_code == 1
+    assert "DAMAGED" in plain(result.stdout)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_verify_a_missing_path_exits_2(tmp_path: Path, as_json: bool) -> None:
+    missing = tmp_path / "does-not-exist"
+    result = run("verify", str(missing), *(["--json"] if as_json else []))
+    assert result.exit_code == 2, result.output
+    assert "no checkpoint" in plain(result.stderr)
+    assert str(missing) in plain(result.stderr).replace("\n", "")
+    assert result.stdout == ""
+
+
+def test_verify_a_directory_without_a_checkpoint_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "plain" / "sub").mkdir(parents=True)
+    (tmp_path / "plain" / "sub" / "notes.txt").write_text("not a checkpoint")
+    result = run("verify", str(tmp_path / "plain"))
+    assert result.exit_code == 2, result.output
+    assert "no checkpoint" in plain(result.stderr)
+
+
+def test_verify_refuses_storage_options_for_a_local_path(root: Path) -> None:
+    result = run("verify", str(root / "ck-7"), "--endpoint-url", "http://127.0.0.1:9000")
+    assert result.exit_code == 2, result.output
+    message = " ".join(plain(result.stderr).split())
+    assert "endpoint_url" in message
+    assert "object storage" in message
+    assert result.stdout == ""
+
+    result = run("verify", str(root / "ck-7"), "-o", "key=AKIA")
+    assert result.exit_code == 2
+    assert "key" in plain(result.stderr)
+
+    result = run("verify", str(root / "ck-7"), "-o", "no-equals-sign")
+    assert result.exit_code == 2
+    assert "KEY=VALUE" in plain(result.output)
+
+
+def test_verify_a_root_checks_every_checkpoint(root: Path) -> None:
+    commit(root, "ck-8")
+    result = run("verify", str(root), "--json")
+    assert result.exit_code == 0, result.output
+    report = report_of(result)
+    assert report["checkpoints"] == ["ck-7", "ck-8"]
+    assert report["participants"] == 4
+    assert report["records_checked"] == 2 * (len(environment_records()) + len(agent_records()))
+
+    flip_byte(records_file(root / "ck-8", "agent/agent-0"))
+    result = run("verify", str(root), "--json")
+    assert result.exit_code == 1
+    report = report_of(result)
+    assert report["checkpoints"] == ["ck-7", "ck-8"]
+    (finding,) = report["findings"]
+    assert finding["code"] == "records_digest_mismatch"
+    assert finding["checkpoint"] == "ck-8"
+    assert finding["path"].startswith("ck-8/gym/agent/agent-0/records-")
+
+
+# --- inspect
+
+
+def test_inspect_lists_participants_and_counts(root: Path) -> None:
+    result = run("inspect", str(root / "ck-7"))
+    assert result.exit_code == 0, result.output
+    text = plain(result.stdout)
+    assert "environment/env-0" in text, text
+    assert "agent/agent-0" in text, text
+    assert str(len(environment_records())) in text
+    assert str(len(agent_records())) in text
+
+
+def test_inspect_json_lists_every_participant(root: Path) -> None:
+    result = run("inspect", str(root / "ck-7"), "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    by_participant = {row["participant"]: row for row in rows}
+    assert sorted(by_participant) == ["agent/agent-0", "environment/env-0"]
+    env = by_participant["environment/env-0"]
+    assert env["checkpoint"] == ""
+    assert env["checkpoint_id"] == "ck-7"
+    assert env["record_count"] == len(environment_records())
+    assert env["episode_ids"] == sorted(record["episode_id"] for record in environment_records())
+    assert env["extra"] == {"seed": 3}
+    assert env["records_file"] == records_file(root / "ck-7").name
+    assert env["records_bytes"] == records_file(root / "ck-7").stat().st_size
+    assert by_participant["agent/agent-0"]["record_count"] == len(agent_records())
+
+    rows = json.loads(run("inspect", str(root), "--json").stdout)
+    assert {row["checkpoint"] for row in rows} == {"ck-7"}
+
+
+def test_inspect_json_marks_a_participant_without_manifest(root: Path) -> None:
+    (root / "ck-7" / "gym" / "model" / "m-0").mkdir(parents=True)
+    (root / "ck-7" / "gym" / "model" / "m-0" / f"records-{'0' * 64}.jsonl").write_bytes(b"")
+    rows = json.loads(run("inspect", str(root / "ck-7"), "--json").stdout)
+    (row,) = [row for row in rows if row["participant"] == "model/m-0"]
+    assert "damaged" in row
+
+
+@pytest.mark.parametrize("url", ["checkpoint", "root"])
+def test_inspect_dump_writes_exactly_the_committed_records(root: Path, url: str) -> None:
+    target = root / "ck-7" if url == "checkpoint" else root
+    result = run("inspect", str(target), "--dump", "environment/env-0")
+    assert result.exit_code == 0, result.output
+    assert result.stdout_bytes == records_file(root / "ck-7").read_bytes()
+    lines = result.stdout_bytes.splitlines()
+    committed = environment_records()
+    assert len(lines) == len(committed)
+    for expected, line in zip(committed, lines, strict=True):
+        assert_identical(expected, decode_line(line))
+
+
+def test_inspect_dump_of_some_episodes(root: Path) -> None:
+    result = run("inspect", str(root / "ck-7"), "--dump", "environment/env-0", "--episode", "edge")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout_bytes.splitlines()
+    assert len(lines) == 1
+    (edge,) = [record for record in environment_records() if record["episode_id"] == "edge"]
+    assert_identical(edge, decode_line(lines[0]))
+
+    result = run(
+        "inspect",
+        str(root / "ck-7"),
+        "--dump",
+        "agent/agent-0",
+        "--episode",
+        "9-5",
+        "--episode",
+        "9-1",
+        "--episode",
+        "x",
+    )
+    assert result.exit_code == 0
+    assert [decode_line(line)["episode_id"] for line in result.stdout_bytes.splitlines()] == ["9-1", "9-5"]
+
+
+def test_inspect_dump_of_a_damaged_participant_exits_1(root: Path) -> None:
+    flip_byte(records_file(root / "ck-7"))
+    result = run("inspect", str(root / "ck-7"), "--dump", "environment/env-0")
+    assert result.exit_code == 1
+    assert "records file hashes to" in " ".join(plain(result.stderr).split())
+
+
+def test_inspect_dump_needs_kind_slash_instance_and_one_checkpoint(root: Path) -> None:
+    result = run("inspect", str(root / "ck-7"), "--dump", "environment")
+    assert result.exit_code == 2
+    assert "KIND/INSTANCE" in plain(result.output)
+
+    commit(root, "ck-8")
+    result = run("inspect", str(root), "--dump", "environment/env-0")
+    assert result.exit_code == 2
+    assert "2 checkpoints" in plain(result.stderr)
+
+
+def test_inspect_dump_of_a_participant_the_checkpoint_does_not_have_exits_2(root: Path) -> None:
+    """Naming a participant that is not there is a usage error (2), not damage (1)."""
+    result = run("inspect", str(root / "ck-7"), "--dump", "model/m-0")
+    assert result.exit_code == 2, result.output
+    assert "model/m-0" in plain(result.stderr)
+
+
+def test_inspect_dump_of_an_invalid_participant_name_exits_2_without_a_traceback(root: Path) -> None:
+    result = run("inspect", str(root / "ck-7"), "--dump", "not a/name")
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, result.output
+    assert "not a" in plain(result.output)
+
+
+def test_inspect_a_missing_path_exits_2(tmp_path: Path) -> None:
+    result = run("inspect", str(tmp_path / "nothing"))
+    assert result.exit_code == 2
+    assert "no checkpoint" in plain(result.stderr)
+
+
+# --- help
+
+
+@pytest.mark.parametrize("command", [[], ["verify"], ["inspect"], ["demo"]])
+def test_help_exits_0(command: list[str]) -> None:
+    for flag in ("--help", "-h"):
+        result = run(*command, flag)
+        assert result.exit_code == 0, result.output
+        assert "Usage:" in result.stdout
+
+
+def test_verify_help_states_the_exit_codes() -> None:
+    text = one_line(run("verify", "--help").stdout)
+    assert "0 clean" in text
+    assert "1 errors found" in text
+    assert "2 usage error" in text
+
+
+# --- a real process
+
+
+def test_real_process_verify_and_inspect(root: Path) -> None:
+    checkpoint = root / "ck-7"
+    good = run_process("verify", str(checkpoint), "--json")
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["ok"] is True
+
+    dumped = run_process("inspect", str(checkpoint), "--dump", "environment/env-0", "--episode", "edge")
+    assert dumped.returncode == 0, dumped.stderr
+    assert decode_line(dumped.stdout)["big"] == [2**64, -(2**63) - 1, 10**100, -(10**100)]
+
+    damaged = records_file(checkpoint)
+    flip_byte(damaged)
+    bad = run_process("verify", str(checkpoint), "--json")
+    assert bad.returncode == 1, bad.stderr
+    (finding,) = json.loads(bad.stdout)["findings"]
+    assert finding["code"] == "records_digest_mismatch"
+    assert finding["path"].endswith(damaged.name)
+
+    missing = run_process("verify", str(root / "missing"))
+    assert missing.returncode == 2
+    assert b"no checkpoint" in missing.stderr
+    assert b"Traceback" not in missing.stderr
+
+
+def test_real_process_demo_writes_a_checkpoint_that_verifies(tmp_path: Path) -> None:
+    store_root = tmp_path / "demo-store"
+    demo = run_process("demo", "--store", str(store_root), "--episodes", "24", "--seed", "5")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert b"identical to what was committed" in b" ".join(demo.stdout.split())
+
+    report = verify(str(store_root))
+    assert report.ok, report.findings
+    assert report.findings == []
+    assert len(report.checkpoints) == 1
+    assert len(report.participants) == 4
+    assert report.records_checked == 4 * 24
+
+    again = run("verify", str(store_root), "--json")
+    assert again.exit_code == 0
+    assert report_of(again)["ok"] is True
+
+
+def test_sha256sum_agrees_with_every_records_file_name(root: Path, tmp_path: Path) -> None:
+    commit(root, "ck-8")
+    demo = run_process("demo", "--store", str(root), "--episodes", "8")
+    assert demo.returncode == 0, demo.stderr
+    files = sorted(root.rglob("records-*.jsonl"))
+    assert len(files) == 2 + 2 + 4
+    checked = subprocess.run(
+        ["sha256sum", *map(str, files)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    assert len(checked) == len(files)
+    for line, path in zip(checked, files, strict=True):
+        digest, _, name = line.partition("  ")
+        assert name == str(path)
+        match = RECORDS_NAME_PATTERN.match(path.name)
+        assert match is not None, path.name
+        assert digest == match.group(1) == hashlib.sha256(path.read_bytes()).hexdigest()
