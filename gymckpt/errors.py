@@ -9,7 +9,7 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
     GymckptError
     ├── NotJSONError (TypeError)                 a payload value that is not JSON
     ├── InvalidRecord (ValueError)               a record without a leading episode_id, a duplicate
-    ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, EROFS, network)
+    ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, network)
     │   └── UnsupportedStorage                   a backend lacks a capability the store needs
     ├── WriteStopped                             a write was stopped before it published
     ├── ManifestConflict (FileExistsError)       another manifest is already published there
@@ -43,7 +43,7 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
         ├── RecordCountMismatch
         ├── EpisodeIdsMismatch
         ├── CheckpointIndexInvalid               gym/checkpoint.json damaged or inconsistent
-        └── UnusableDirectory                    a directory that cannot hold state
+        └── UnusableDirectory (OSError)          a directory that cannot hold state (read-only, no permission)
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class InvalidRecord(GymckptError, ValueError):
 
 
 class StorageError(GymckptError, OSError):
-    """The storage failed while writing or reading (no space, I/O error, read-only, network)."""
+    """The storage failed while writing or reading (no space, I/O error, network)."""
 
     code = "storage_error"
     status = 503
@@ -302,5 +302,7 @@ class CheckpointIndexInvalid(InvalidCheckpointState):
     problem = "checkpoint_index_invalid"
 
 
-class UnusableDirectory(InvalidCheckpointState):
+class UnusableDirectory(InvalidCheckpointState, OSError):
+    """A directory that cannot hold state: read-only, not permitted, or not a directory."""
+
     problem = "unusable_directory"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -198,6 +199,13 @@ class LocalBackend(StorageBackend):
             existing = self.read_bytes(path)
             if existing != data:
                 raise ManifestConflict(f"{path} already exists with other content", path=path)
-        with _os_errors(directory, "fsync the directory"):
-            _fsync_directory(real_directory)
+        try:
+            with _os_errors(directory, "fsync the directory"):
+                _fsync_directory(real_directory)
+        except StorageError:
+            if created:
+                # the caller learns the create failed, so the file must not stay: a retry creates it again
+                with contextlib.suppress(OSError):
+                    os.unlink(target)
+            raise
         return created
