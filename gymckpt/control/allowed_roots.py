@@ -19,13 +19,28 @@ def normalize_location(location: str) -> str:
         return os.path.normpath(os.path.abspath(rest))
     parts = rest.split("/")
     if any(part in ("..", ".") for part in parts):
-        raise CheckpointDirNotAllowed(f"checkpoint_dir {location!r} must not contain '.' or '..' segments")
+        raise CheckpointDirNotAllowed(
+            f"checkpoint_dir {location!r} must not contain '.' or '..' segments (setting checkpoint.allowed_roots)"
+        )
     return f"{scheme}://{posixpath.normpath(rest)}"
 
 
+#: schemes a request may name when the settings name no allowed roots
+DEFAULT_SCHEMES = frozenset({"file", "s3", "s3a"})
+
+
 def check_allowed(checkpoint_dir: str, allowed_roots: list[str] | None) -> None:
-    """Refuse ``checkpoint_dir`` outside every allowed root (no setting: everything is allowed)."""
+    """Refuse ``checkpoint_dir`` outside every allowed root.
+
+    Without the setting, local paths, ``file://`` and ``s3://`` URLs are allowed; any other
+    scheme (``zip://``, ``ftp://``, ``github://``…) must be named by an allowed root.
+    """
     if allowed_roots is None:
+        scheme, sep, _ = checkpoint_dir.partition("://")
+        if sep and scheme not in DEFAULT_SCHEMES:
+            raise CheckpointDirNotAllowed(
+                f"checkpoint_dir scheme {scheme!r} is not allowed; name it in the setting checkpoint.allowed_roots"
+            )
         return
     target = normalize_location(checkpoint_dir)
     for root in allowed_roots:

@@ -46,7 +46,7 @@ def _finite(value: float) -> float:
 
 
 CheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
-DeadlineTs = Annotated[float, AfterValidator(_finite)]
+DeadlineTs = Annotated[float, Field(strict=True), AfterValidator(_finite)]
 #: a capture key: ``r`` or ``r-aN``; never empty, never a path separator or whitespace
 CaptureKey = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^/\s\x00]+$")]
 RolloutId = CaptureKey

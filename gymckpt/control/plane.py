@@ -33,9 +33,11 @@ from gymckpt.errors import (
     CheckpointConflict,
     DeadlineExceeded,
     ExportFailed,
+    GymckptError,
     InvalidPhase,
     RestartInScope,
     StaleCheckpoint,
+    UnsupportedStorage,
 )
 from gymckpt.store import WriteStop, open_store
 
@@ -67,6 +69,7 @@ class _Checkpoint:
 
     checkpoint_id: str
     stop: WriteStop = field(default_factory=WriteStop)
+    closing: asyncio.Task[None] | None = None
     export_task: asyncio.Task[list[dict[str, Any]]] | None = None
     commit_task: asyncio.Task[CommitReply] | None = None
     commit_args: tuple[str, tuple[str, ...]] | None = None
@@ -181,7 +184,12 @@ class ControlPlane:
 
     def _store_for(self, checkpoint_dir: str) -> CheckpointStore:
         check_allowed(checkpoint_dir, self.allowed_roots)
-        return open_store(checkpoint_dir, **self.storage_options)
+        try:
+            return open_store(checkpoint_dir, **self.storage_options)
+        except GymckptError:
+            raise
+        except Exception as exc:
+            raise UnsupportedStorage(f"cannot open checkpoint_dir {checkpoint_dir!r}: {exc}") from exc
 
     def _extend_lease(self, deadline_ts: float) -> None:
         self.lease_expires_at = deadline_ts + self.lease_grace_seconds
@@ -223,21 +231,29 @@ class ControlPlane:
             raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
         if self._open is None:
             self._fresh = False
-            self._open = _Checkpoint(request.checkpoint_id)
+            checkpoint = self._open = _Checkpoint(request.checkpoint_id)
             self.phase = Phase.PREPARING
             self._extend_lease(request.deadline_ts)
-            try:
-                await self.participant.close_admission()
-            except BaseException:
-                await self._reopen_after_failed_close()
-                raise
+            checkpoint.closing = asyncio.create_task(self._close_admission(checkpoint), name="gymckpt-close")
         else:
+            checkpoint = self._open
             self._extend_lease(max(request.deadline_ts, (self.lease_expires_at or 0) - self.lease_grace_seconds))
+        assert checkpoint.closing is not None
+        # a retried prepare waits for the first one's close: ready means nothing while admission is open
+        await self._within(request.deadline_ts, asyncio.shield(checkpoint.closing), "closing admission")
         if self.phase is Phase.PREPARING:
             await self._wait_ready(request.deadline_ts)
             if self.participant.ready() and self.phase is Phase.PREPARING:
                 self.phase = Phase.PREPARED
         return PrepareReply(phase=self.phase, report=self._report())
+
+    async def _close_admission(self, checkpoint: _Checkpoint) -> None:
+        try:
+            await self.participant.close_admission()
+        except BaseException:
+            if self._open is checkpoint:
+                await self._reopen_after_failed_close()
+            raise
 
     async def _reopen_after_failed_close(self) -> None:
         with contextlib.suppress(Exception):
@@ -456,23 +472,11 @@ class ControlPlane:
             self.marks.mark(key)  # the captured attempt is replaced by the next one: refuse it from now on
         self.phase = Phase.RESTORED
         self._extend_lease(request.deadline_ts)
-        try:
-            await self.participant.close_admission()
-        except BaseException:
-            self._reopen_pending = True
-            await self._fail_restore()
-            raise
         task = asyncio.create_task(
             self._run_restore(request.checkpoint_id, store, list(args[1])), name="gymckpt-restore"
         )
         self._restore = _Restore(request.checkpoint_id, args, task)
-        try:
-            return await self._within(request.deadline_ts, asyncio.shield(task), "the restore")
-        except DeadlineExceeded:
-            raise
-        except BaseException:
-            await self._fail_restore()
-            raise
+        return await self._within(request.deadline_ts, asyncio.shield(task), "the restore")
 
     async def _fail_restore(self) -> None:
         try:
@@ -485,13 +489,19 @@ class ControlPlane:
         self.lease_expires_at = None
 
     async def _run_restore(self, checkpoint_id: str, store: CheckpointStore, scope: list[str]) -> RestoreReply:
+        """Close admission, read and verify in one pass off the loop, install; on failure reopen."""
         participant = self.participant
         next_keys = {key: capture_key(*_next(key)) for key in scope}
-        records = await asyncio.to_thread(
-            _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
-        )
         installed_scope = sorted(next_keys.values())
-        await participant.install(records, installed_scope)
+        try:
+            await participant.close_admission()
+            records = await asyncio.to_thread(
+                _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
+            )
+            await participant.install(records, installed_scope)
+        except BaseException:
+            await self._fail_restore()
+            raise
         self._restored_keys = set(installed_scope)
         return RestoreReply(phase=Phase.RESTORED, source_checkpoint_id=checkpoint_id, restored=installed_scope)
 

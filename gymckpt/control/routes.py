@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import secrets
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gymckpt.control.models import (
     CommitReply,
@@ -35,18 +36,47 @@ if TYPE_CHECKING:
 
     from gymckpt.control.plane import ControlPlane
 
-__all__ = ["CONTROL_PREFIX", "control_router", "install_control", "install_error_handlers"]
+__all__ = ["CONTROL_PREFIX", "ControlAuthMiddleware", "control_router", "install_control", "install_error_handlers"]
 
 CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 
-_ERRORS = {
+_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": description}
     for status, description in (
+        (400, "unsupported_storage, invalid_rollout_id"),
         (401, "unauthorized"),
+        (403, "checkpoint_dir_not_allowed"),
         (409, "stale_checkpoint, checkpoint_conflict, invalid_phase, deadline_exceeded, export_failed, …"),
         (422, "invalid_checkpoint_state, or an invalid request"),
+        (503, "storage_error"),
     )
 }
+_BEARER = Depends(HTTPBearer(auto_error=False, description="The checkpoint block's control_auth_token."))
+
+
+class ControlAuthMiddleware:
+    """Refuse control calls without the bearer token before anything reads their body.
+
+    The route dependency checks again (and documents the scheme); this middleware makes a
+    missing token a 401 even when the body is not JSON.
+    """
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX + "/"):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = JSONResponse(
+                    error_body("unauthorized", "missing or wrong bearer token"),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def control_router(plane: ControlPlane, token: str) -> APIRouter:
@@ -54,9 +84,8 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
     if not token:
         raise ValueError("the control routes need a non-empty control_auth_token")
     expected = token.encode()
-    bearer = HTTPBearer(auto_error=False, description="The checkpoint block's control_auth_token.")
 
-    async def authorize(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+    async def authorize(credentials: HTTPAuthorizationCredentials | None = _BEARER) -> None:
         given = credentials.credentials.encode() if credentials is not None else b""
         if credentials is None or not secrets.compare_digest(given, expected):
             raise Unauthorized("missing or wrong bearer token")
@@ -122,10 +151,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body("invalid_request", detail[:2000]), status_code=422)
 
     app.add_exception_handler(RequestValidationError, validation_error)
+    previous_http = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        if not request.url.path.startswith(CONTROL_PREFIX + "/"):
+            return await previous_http(request, exc)  # type: ignore[no-any-return]
+        assert isinstance(exc, StarletteHTTPException)
+        code = "unauthorized" if exc.status_code == 401 else "invalid_request"
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def install_control(app: FastAPI, plane: ControlPlane, token: str) -> None:
     """Add the control routes and the error handlers to ``app``, and stop the lease on shutdown."""
     app.include_router(control_router(plane, token))
+    app.add_middleware(ControlAuthMiddleware, token=token)
     install_error_handlers(app)
     app.router.on_shutdown.append(plane.close)

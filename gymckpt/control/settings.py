@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = ["CheckpointSettings", "GymckptSettings", "load_settings"]
@@ -20,7 +20,7 @@ __all__ = ["CheckpointSettings", "GymckptSettings", "load_settings"]
 class CheckpointSettings(BaseModel):
     """Checkpointing of one server; off by default, and then nothing is installed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     enabled: bool = False
     control_auth_token: SecretStr | None = Field(
@@ -34,12 +34,17 @@ class CheckpointSettings(BaseModel):
     control_connector_limit: int = Field(default=0, ge=0, description="Control connection pool size (0: no limit).")
     control_connector_limit_per_host: int = Field(default=0, ge=0, description="Per host (0: no limit).")
 
+    @field_validator("allowed_roots")
+    @classmethod
+    def _roots_listed(cls, roots: list[str] | None) -> list[str] | None:
+        if roots is not None and not roots:
+            raise ValueError("checkpoint.allowed_roots must list at least one root, or be left out")
+        return roots
+
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointSettings:
         if self.enabled and (self.control_auth_token is None or not self.control_auth_token.get_secret_value()):
             raise ValueError("checkpoint.control_auth_token is required when checkpoint.enabled is true")
-        if self.allowed_roots is not None and not self.allowed_roots:
-            raise ValueError("checkpoint.allowed_roots must list at least one root, or be left out")
         return self
 
     @property
@@ -51,7 +56,9 @@ class CheckpointSettings(BaseModel):
 class GymckptSettings(BaseSettings):
     """A server's gymckpt settings: the ``checkpoint:`` block, environment first."""
 
-    model_config = SettingsConfigDict(env_prefix="GYMCKPT_", env_nested_delimiter="__", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="GYMCKPT_", env_nested_delimiter="__", extra="ignore", hide_input_in_errors=True
+    )
 
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
 

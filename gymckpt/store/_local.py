@@ -21,7 +21,15 @@ __all__ = ["LocalBackend", "TEMP_PREFIX"]
 #: every temporary file this backend writes starts with this; verify reports leftovers
 TEMP_PREFIX = ".gymckpt-tmp-"
 
-_DIRECTORY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
+_DIRECTORY_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EEXIST,
+    errno.EISDIR,
+    errno.ENAMETOOLONG,
+}
 
 
 def _translate(exc: OSError, path: str, action: str) -> Exception:
