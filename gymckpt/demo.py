@@ -85,10 +85,45 @@ def _records(kind: str, episodes: int, seed: int) -> Iterator[dict[str, Any]]:
             }
 
 
-def run_store_demo(store_url: str, *, episodes: int, seed: int, console: Console) -> int:
-    """Run the store demo; return the process exit code."""
+#: the bucket ``gymckpt demo --store s3`` creates on its embedded endpoint
+DEMO_BUCKET = "gymckpt-demo"
+
+
+def run_s3_demo(*, episodes: int, seed: int, console: Console) -> int:
+    """``gymckpt demo --store s3``: the store demo against an S3 endpoint served by moto in this process.
+
+    Starts moto's server on 127.0.0.1 and a free port, creates a bucket, runs the demo
+    against ``s3://gymckpt-demo/checkpoints`` (multipart upload, server-side copy,
+    ``If-None-Match: *`` manifests), verifies it, and stops the server: no account needed.
+    """
+    from gymckpt.store.moto_endpoint import MotoEndpoint
+
+    with MotoEndpoint() as endpoint:
+        endpoint.create_bucket(DEMO_BUCKET)
+        console.print(f"embedded S3 endpoint (moto) at {endpoint.url}, bucket {DEMO_BUCKET}", highlight=False)
+        return run_store_demo(
+            f"s3://{DEMO_BUCKET}/checkpoints",
+            episodes=episodes,
+            seed=seed,
+            console=console,
+            storage_options=endpoint.storage_options(),
+            embedded_endpoint=True,
+        )
+
+
+def run_store_demo(
+    store_url: str,
+    *,
+    episodes: int,
+    seed: int,
+    console: Console,
+    storage_options: dict[str, Any] | None = None,
+    embedded_endpoint: bool = False,
+) -> int:
+    """Run the store demo (``storage_options`` for object storage); return the process exit code."""
     checkpoint_dir = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    store = open_store(store_url)
+    options = dict(storage_options or {})
+    store = open_store(store_url, **options)
     rows = []
     manifests = []
     started = time.perf_counter()
@@ -108,7 +143,7 @@ def run_store_demo(store_url: str, *, episodes: int, seed: int, console: Console
     store.publish(checkpoint_dir, manifests, extra={"trainer_step": 7})
 
     began = time.perf_counter()
-    report = verify(f"{store_url.rstrip('/')}/{checkpoint_dir}")
+    report = verify(f"{store_url.rstrip('/')}/{checkpoint_dir}", **options)
     verify_seconds = time.perf_counter() - began
 
     scope = [f"{index}-0" for index in range(min(8, episodes // 4))]
@@ -130,7 +165,13 @@ def run_store_demo(store_url: str, *, episodes: int, seed: int, console: Console
         f"{report.records_checked} records re-hashed in {verify_seconds:.3f} s)\n"
         f"restore of agent scope {scope}: {len(restored)} records in {restore_seconds:.3f} s, "
         f"{'identical to what was committed' if faithful else 'DIFFERENT from what was committed'}\n"
-        f"check it yourself: gymckpt verify {store_url.rstrip('/')}/{checkpoint_dir}",
+        + (
+            "the embedded S3 endpoint stops with the demo; against your own bucket: "
+            "gymckpt verify s3://BUCKET/PREFIX/CHECKPOINT --endpoint-url URL"
+            if embedded_endpoint
+            else f"check it yourself: gymckpt verify {store_url.rstrip('/')}/{checkpoint_dir}"
+        ),
         highlight=False,
     )
+    store.close()
     return 0 if report.ok and faithful and len(restored) == len(scope) else 1

@@ -5,11 +5,19 @@ at most ``upload_concurrency`` parts in flight, to a temporary object
 ``<participant dir>/.gymckpt-tmp-<hex>.part``. Only the complete object is copied
 server-side to ``records-<sha256>.jsonl`` (a copy appears whole or not at all) and the
 temporary object deleted, so no object ever appears under a digest name before its
-content is complete. A failed or stopped write aborts its multipart upload and deletes
-its temporary object. Manifests and ``checkpoint.json`` are created with
-``If-None-Match: *``; a ``412`` (also on the retry of a request whose first attempt
-succeeded unseen) is resolved by reading the object back and comparing bytes. Object
-storage has no directory fsync, and this backend says so.
+content is complete. A records file of at most ``single_put_bytes`` never leaves memory
+before publication, which PUTs it under its digest name in one request (all or
+nothing), saving the upload-then-copy of larger files. A
+failed or stopped write aborts its multipart upload and deletes its temporary object.
+Manifests and ``checkpoint.json`` are created with ``If-None-Match: *``; a ``412``
+(also on the retry of a request whose first attempt succeeded unseen) and a request
+whose outcome is unknown are resolved by reading the object back and comparing bytes.
+Object storage has no directory fsync, and this backend says so.
+
+Errors are translated in one place (:func:`_translate`): a missing object is
+``FileNotFoundError``; rejected or missing credentials, a missing bucket on reads and
+any other failure are :class:`~gymckpt.errors.StorageError`; a missing bucket or denied
+access on writes is :class:`~gymckpt.errors.UnusableDirectory`.
 
 Storage options this backend reads itself (strings, as ``gymckpt -o KEY=VALUE`` passes
 them, are accepted too); every other option goes to the fsspec filesystem (for s3fs:
@@ -24,8 +32,13 @@ them, are accepted too); every other option goes to the fsspec filesystem (for s
     Memory per write is about ``(upload_concurrency + 1) * block_size``.
 ``upload_concurrency``
     Parts uploaded at once per write, default 2.
+``single_put_bytes``
+    Records files up to this size are held in memory and written with one PUT under
+    their digest name (no temporary object, no server-side copy); default 64 MiB,
+    never less than ``block_size``. Memory per write is at most this plus the above.
 ``retries``
-    Attempts per request (s3fs and botocore), default: theirs (5 and botocore's mode).
+    Attempts per request: s3fs's retry loop and botocore's ``total_max_attempts``
+    (standard mode) both get it. Default: theirs (s3fs 5, botocore's configured mode).
 ``unsafe_allow_non_atomic_create``
     Open a filesystem that cannot create a file only if absent; two racing writers can
     then both "win" (see :meth:`FsspecBackend.create_if_absent`). Off by default.
@@ -69,6 +82,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16 << 20
 MIN_BLOCK_SIZE = 5 << 20
 DEFAULT_UPLOAD_CONCURRENCY = 2
+DEFAULT_SINGLE_PUT_BYTES = 64 << 20
 #: larger objects need a multipart copy (UploadPartCopy), which s3fs's copy does
 _MAX_SINGLE_COPY = 5 << 30
 #: conditional writes answered 409 ConditionalRequestConflict are retried this often
@@ -88,7 +102,7 @@ _CREDENTIAL_CODES = frozenset(
 )
 _CREDENTIAL_EXCEPTIONS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 _DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "403"})
-_INT_OPTIONS = ("block_size", "upload_concurrency", "retries", "max_concurrency")
+_INT_OPTIONS = ("block_size", "upload_concurrency", "single_put_bytes", "retries", "max_concurrency")
 _BOOL_OPTIONS = ("unsafe_allow_non_atomic_create", "anon", "use_ssl", "requester_pays", "version_aware")
 
 
@@ -129,9 +143,12 @@ def _error_code(exc: BaseException) -> str:
 
 
 def _exception_names(exc: BaseException) -> set[str]:
+    """Class names of ``exc`` and of the exceptions it was raised from."""
     names: set[str] = set()
+    seen: set[int] = set()
     current: BaseException | None = exc
-    while current is not None and type(current).__name__ not in names:
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
         names.add(type(current).__name__)
         current = current.__cause__ or current.__context__
     return names
@@ -170,6 +187,14 @@ def _storage_errors(path: str, action: str, *, writing: bool = False) -> Iterato
         raise _translate(exc, path, action, writing=writing) from exc
 
 
+def _addressable(relative: str) -> bool:
+    """True when a listed key maps back to itself through :func:`safe_relative_path`."""
+    try:
+        return safe_relative_path(relative) == relative
+    except GymckptError:
+        return False
+
+
 def _coerce_options(options: dict[str, Any]) -> dict[str, Any]:
     """Options as typed values; ``-o block_size=8388608`` on the command line gives strings."""
     coerced = dict(options)
@@ -189,8 +214,8 @@ def _coerce_options(options: dict[str, Any]) -> dict[str, Any]:
     return coerced
 
 
-def _s3_options(options: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
-    """Map our S3 options to s3fs's (endpoint from AWS_* variables, region, retries); return them and retries."""
+def _s3_options(options: dict[str, Any], retries: int | None) -> dict[str, Any]:
+    """Map our S3 options to s3fs's: endpoint from AWS_* variables, region, retries."""
     options = dict(options)
     endpoint = (
         options.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -200,14 +225,13 @@ def _s3_options(options: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     region = options.pop("region", None) or options.pop("region_name", None)
     if region:
         options["client_kwargs"] = {**(options.get("client_kwargs") or {}), "region_name": region}
-    retries = options.pop("retries", None)
     if retries is not None:
         if retries < 1:
             raise UnsupportedStorage(f"storage option retries must be at least 1, got {retries}")
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": retries, "mode": "standard"})
         options["config_kwargs"] = config
-    return options, retries
+    return options
 
 
 class FsspecBackend(StorageBackend):
@@ -234,20 +258,27 @@ class FsspecBackend(StorageBackend):
         options = _coerce_options(storage_options)
         self.block_size = int(options.pop("block_size", DEFAULT_BLOCK_SIZE))
         self.upload_concurrency = int(options.pop("upload_concurrency", DEFAULT_UPLOAD_CONCURRENCY))
+        self.single_put_bytes = max(int(options.pop("single_put_bytes", DEFAULT_SINGLE_PUT_BYTES)), self.block_size)
+        retries: int | None = options.pop("retries", None)
         self.unsafe_non_atomic_create = bool(options.pop("unsafe_allow_non_atomic_create", False))
         if self.upload_concurrency < 1:
             raise UnsupportedStorage(f"upload_concurrency must be at least 1, got {self.upload_concurrency}")
         protocol = url.split("://", 1)[0].lower() if "://" in url else ""
         self.is_s3 = protocol in _S3_PROTOCOLS
-        retries: int | None = None
         if self.is_s3:
-            options, retries = _s3_options(options)
+            options = _s3_options(options, retries)
             if self.block_size < MIN_BLOCK_SIZE:
                 raise UnsupportedStorage(
                     f"block_size {self.block_size} is below S3's minimum part size of {MIN_BLOCK_SIZE} bytes"
                 )
         else:
-            options.pop("retries", None)  # only object storage clients retry
+            ignored = sorted(
+                {"block_size", "upload_concurrency", "single_put_bytes", "retries"}.intersection(storage_options)
+            )
+            if ignored:
+                raise UnsupportedStorage(
+                    f"storage options {ignored} apply to s3:// URLs only; {url!r} would ignore them"
+                )
         options["skip_instance_cache"] = True  # this backend owns its filesystem; fsspec shares cached ones
         options["use_listings_cache"] = False  # listings must never come from a stale cache
         try:
@@ -322,8 +353,10 @@ class FsspecBackend(StorageBackend):
         if not self.supports_conditional_create:
             if self.exists(path):
                 return self._resolve_existing(path, data)
+            full = self.full_path(path)
             with _storage_errors(path, "write", writing=True):
-                self.fs.pipe_file(self.full_path(path), data)
+                self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
+                self.fs.pipe_file(full, data)
             return True
         bucket, key = self.bucket_key(path)
         for attempt in range(_CONFLICT_ATTEMPTS):
@@ -339,9 +372,11 @@ class FsspecBackend(StorageBackend):
                     continue
                 # the outcome is unknown (the request may have been applied): look
                 try:
-                    existing = self.read_bytes(path)
+                    existing: bytes | None = self.read_bytes(path)
                 except (FileNotFoundError, StorageError):
-                    raise exc from None
+                    existing = None
+                if existing is None:
+                    raise
                 return self._compare(path, existing, data)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -417,13 +452,13 @@ class FsspecBackend(StorageBackend):
                 entries = self.fs.ls(full, detail=True, refresh=True)
         except FileNotFoundError:
             return []
-        names = set()
+        names: set[str] = set()
         for entry in entries:
             name = entry["name"].rstrip("/")
             if not name.startswith(full + "/"):
                 continue  # the path itself (a file), or a placeholder
             child = name[len(full) + 1 :]
-            if not child or "/" in child:
+            if not child or "/" in child or child in {".", ".."}:
                 continue
             names.add(child + "/" if entry.get("type") == "directory" else child)
         return sorted(names)
@@ -437,12 +472,17 @@ class FsspecBackend(StorageBackend):
                 found = self.fs.find(full, detail=False)
         except FileNotFoundError:
             return
+        below = safe_relative_path(path)
         for name in sorted(found):
             if name.endswith("/"):
                 continue  # a directory placeholder object
             relative = self._relative(name)
-            if relative and (not path or relative.startswith(safe_relative_path(path) + "/")):
-                yield relative
+            if not relative or (below and not relative.startswith(below + "/")):
+                continue
+            if not _addressable(relative):
+                logger.warning("skipping %s: a key with empty, '.' or '..' segments cannot be read back", name)
+                continue
+            yield relative
 
     # --- lifetime
 
@@ -481,12 +521,15 @@ class _MultipartSink(BlobSink):
         self._inflight: deque[tuple[int, Future[Any]]] = deque()
         self._size = 0
         self._object_may_exist = False
+        self._stray_uploads_possible = False
         self._state = "writing"
 
     def write(self, chunk: bytes | memoryview) -> None:
         assert self._state == "writing", f"write after {self._state}"
         self._buffer += chunk
         self._size += len(chunk)
+        if self._upload_id is None and len(self._buffer) <= self._backend.single_put_bytes:
+            return  # may still fit one PUT under the digest name
         block = self._backend.block_size
         while len(self._buffer) >= block:
             part = bytes(memoryview(self._buffer)[:block])
@@ -495,9 +538,12 @@ class _MultipartSink(BlobSink):
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
+            # a create whose answer was lost and retried leaves an upload we never hear of
+            self._stray_uploads_possible = True
             with _storage_errors(self.temp_path, "start a multipart upload of", writing=True):
                 response = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket, Key=self._key)
             self._upload_id = response["UploadId"]
+            self._stray_uploads_possible = response.get("ResponseMetadata", {}).get("RetryAttempts", 0) > 0
         self._submitted += 1
         coroutine = self._fs._call_s3(
             "upload_part",
@@ -520,36 +566,38 @@ class _MultipartSink(BlobSink):
     def finish(self) -> None:
         assert self._state == "writing", f"finish after {self._state}"
         if self._upload_id is None:
-            self._object_may_exist = True
-            with _storage_errors(self.temp_path, "write", writing=True):
-                self._fs.call_s3("put_object", Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer))
-        else:
-            if self._buffer:
-                self._send(bytes(self._buffer))
-            while self._inflight:
-                self._settle_oldest()
-            self._object_may_exist = True
-            try:
-                with _storage_errors(self.temp_path, "complete the multipart upload of", writing=True):
-                    self._fs.call_s3(
-                        "complete_multipart_upload",
-                        Bucket=self._bucket,
-                        Key=self._key,
-                        UploadId=self._upload_id,
-                        MultipartUpload={"Parts": self._parts},
-                    )
-            except StorageError:
-                # a retried complete whose first attempt succeeded answers NoSuchUpload on
-                # S3: the temporary key is unique to this sink, so a whole object there is ours
-                if not self._completed_unseen():
-                    raise
-            self._upload_id = None
+            # small enough for one PUT: publish() writes it under its final name in one atomic request
+            self._state = "finished"
+            return
+        if self._buffer:
+            self._send(bytes(self._buffer))
+        while self._inflight:
+            self._settle_oldest()
+        self._object_may_exist = True
+        try:
+            with _storage_errors(self.temp_path, "complete the multipart upload of", writing=True):
+                self._fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=self._bucket,
+                    Key=self._key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": self._parts},
+                )
+        except StorageError:
+            # a retried complete whose first attempt succeeded answers NoSuchUpload on
+            # S3: the temporary key is unique to this sink, so a whole object there is ours
+            if not self._lands_whole(self.temp_path):
+                raise
+        self._upload_id = None
+        if self._stray_uploads_possible:
+            self._abort_stray_uploads()
         self._buffer = bytearray()
         self._state = "finished"
 
-    def _completed_unseen(self) -> bool:
+    def _lands_whole(self, path: str) -> bool:
+        """True when an object of exactly the written size is at ``path``."""
         try:
-            return self._backend.size(self.temp_path) == self._size
+            return self._backend.size(path) == self._size
         except (FileNotFoundError, StorageError):
             return False
 
@@ -557,14 +605,27 @@ class _MultipartSink(BlobSink):
         assert self._state == "finished", f"publish after {self._state}"
         target = join(self._directory, name)
         bucket, key = self._backend.bucket_key(target)
-        with _storage_errors(target, "copy into place", writing=True):
-            if self._size < _MAX_SINGLE_COPY:
-                self._fs.call_s3(
-                    "copy_object", Bucket=bucket, Key=key, CopySource={"Bucket": self._bucket, "Key": self._key}
-                )
+        try:
+            if not self._object_may_exist:  # a single part, still in memory: one PUT, all or nothing
+                with _storage_errors(target, "write", writing=True):
+                    self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=bytes(self._buffer))
             else:
-                self._fs.copy(self._backend.full_path(self.temp_path), self._backend.full_path(target))
+                with _storage_errors(target, "copy into place", writing=True):
+                    if self._size < _MAX_SINGLE_COPY:
+                        self._fs.call_s3(
+                            "copy_object", Bucket=bucket, Key=key, CopySource={"Bucket": self._bucket, "Key": self._key}
+                        )
+                    else:
+                        self._fs.copy(self._backend.full_path(self.temp_path), self._backend.full_path(target))
+        except StorageError:
+            # the request may have been applied with its answer lost: the digest names the
+            # content, and a PUT or copy lands whole, so an object of our size there is ours
+            if not self._lands_whole(target):
+                raise
+        self._buffer = bytearray()
         self._state = "published"
+        if not self._object_may_exist:
+            return
         try:
             self._backend.delete(self.temp_path)
         except (StorageError, OSError) as exc:  # published: a leftover temporary object is only a warning
@@ -591,11 +652,28 @@ class _MultipartSink(BlobSink):
                 if _error_code(exc) != "NoSuchUpload":
                     logger.warning("could not abort the multipart upload of %s: %s", self.temp_path, exc)
             self._upload_id = None
+        if self._stray_uploads_possible:
+            self._abort_stray_uploads()
         if self._object_may_exist:
             try:
                 self._backend.delete(self.temp_path)
             except (StorageError, OSError) as exc:  # verify reports the leftover
                 logger.warning("could not delete %s: %s", self.temp_path, exc)
+
+    def _abort_stray_uploads(self) -> None:
+        """Abort every upload still open on this sink's temporary key (unique to it)."""
+        try:
+            with _storage_errors(self.temp_path, "list the multipart uploads of", writing=True):
+                listing = self._fs.call_s3("list_multipart_uploads", Bucket=self._bucket, Prefix=self._key)
+            for upload in listing.get("Uploads", []):
+                if upload.get("Key") == self._key:
+                    with _storage_errors(self.temp_path, "abort the multipart upload of", writing=True):
+                        self._fs.call_s3(
+                            "abort_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=upload["UploadId"]
+                        )
+            self._stray_uploads_possible = False
+        except (StorageError, OSError) as exc:
+            logger.warning("could not abort the stray multipart uploads of %s: %s", self.temp_path, exc)
 
 
 class _FileSink(BlobSink):

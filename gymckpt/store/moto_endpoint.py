@@ -129,24 +129,13 @@ class MotoEndpoint:
 
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (through s3fs, so boto3 is not needed)."""
-        import fsspec
+        from gymckpt.store._fsspec import FsspecBackend
 
-        fs = fsspec.filesystem(
-            "s3",
-            endpoint_url=self.url,
-            key=DUMMY_KEY,
-            secret=DUMMY_SECRET,
-            client_kwargs={"region_name": self.region},
-            skip_instance_cache=True,
-        )
+        backend = FsspecBackend(f"s3://{name}", **self.storage_options())
         try:
-            fs.call_s3("create_bucket", Bucket=name)
+            backend.fs.call_s3("create_bucket", Bucket=name)
         finally:
-            creator = getattr(fs, "_s3creator", None)
-            if creator is not None:
-                from fsspec.asyn import sync
-
-                sync(fs.loop, creator.__aexit__, None, None, None)
+            backend.close()
 
     def __enter__(self) -> MotoEndpoint:
         return self.start()
