@@ -1,0 +1,66 @@
+"""The rollout context of a request: which episode attempt a model or resources call belongs to.
+
+With checkpointing on, callers put the capture key in the path, ``/ng-rollout/<key>/…``;
+:class:`RolloutPrefixMiddleware` strips it, so the app's routes stay as they are, and
+makes the episode available as :func:`current_episode` for the request's duration.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import JSONResponse
+
+from gymckpt.control.models import error_body
+from gymckpt.errors import InvalidRolloutId
+from gymckpt.participants.identity import ROLLOUT_PREFIX, EpisodeId, split_rollout_path
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["RolloutPrefixMiddleware", "current_episode", "episode_context"]
+
+_CURRENT: ContextVar[EpisodeId | None] = ContextVar("gymckpt_rollout_episode", default=None)
+
+
+def current_episode() -> EpisodeId | None:
+    """The episode attempt of the request being handled (None when it carries no rollout prefix)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def episode_context(episode: EpisodeId | None) -> Iterator[EpisodeId | None]:
+    """Run code as part of ``episode`` (e.g. an environment's downstream calls)."""
+    token = _CURRENT.set(episode)
+    try:
+        yield episode
+    finally:
+        _CURRENT.reset(token)
+
+
+class RolloutPrefixMiddleware:
+    """Strip ``/ng-rollout/<capture key>`` from the path and set the request's episode."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(ROLLOUT_PREFIX.rstrip("/")):
+            await self.app(scope, receive, send)
+            return
+        try:
+            episode, rest = split_rollout_path(scope["path"])
+        except InvalidRolloutId as exc:
+            response = JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status)
+            await response(scope, receive, send)
+            return
+        scope = dict(scope)
+        scope["path"] = rest
+        scope["raw_path"] = rest.encode()
+        token = _CURRENT.set(episode)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CURRENT.reset(token)
