@@ -1,0 +1,171 @@
+"""The environment participant (P1): episodes as steps with boundaries, continued after a restore.
+
+Record: ``{"episode_id", "task_digest", "boundary"}``. The replacement attempt's ``/run``
+continues from the restored boundary, and its task must hash to the recorded digest. A
+restored episode whose replacement has not started yet stays live (idle at its restored
+boundary), so the next checkpoint exports it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gymckpt.control.participant import Participant
+from gymckpt.errors import CheckpointConflict, InvalidCheckpointState
+from gymckpt.participants.identity import EpisodeId
+from gymckpt.participants.steps import EpisodeRegistry
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from gymckpt.control.plane import ControlPlane
+    from gymckpt.participants.steps import Episode
+
+__all__ = ["EnvironmentParticipant", "task_digest"]
+
+#: how many episodes a retire stops at once
+_RETIRE_CONCURRENCY = 64
+
+
+def task_digest(task: Any) -> str:
+    """sha256 of the task's canonical JSON (sorted keys): what a continued attempt must match."""
+    return hashlib.sha256(orjson.dumps(task, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+class EnvironmentParticipant(Participant):
+    """Tracks every live episode of an environment server and its task."""
+
+    kind = "environment"
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+        self.registry = EpisodeRegistry()
+        self.plane: ControlPlane | None = None
+        self._digests: dict[str, str] = {}
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._continued: set[str] = set()
+
+    def bind(self, plane: ControlPlane) -> None:
+        """Called by install_checkpointing: retire marks live in the plane."""
+        self.plane = plane
+
+    # --- episodes, for the server's /run
+
+    def begin_run(self, key: str, task: Any) -> Episode:
+        """The episode a ``/run`` of ``key`` runs: a restored one to continue, or a new one.
+
+        Raises StaleAttempt for a retired attempt, InvalidCheckpointState when a restored
+        episode's task differs, CheckpointConflict when the attempt is already running.
+        """
+        if self.plane is not None:
+            self.plane.marks.check(key)
+        digest = task_digest(task)
+        episode = self.registry.get(key)
+        if episode is not None:
+            if not episode.restored or key in self._continued:
+                raise CheckpointConflict(f"episode {key!r} is already running on this server")
+            if self._digests.get(key) != digest:
+                raise InvalidCheckpointState(
+                    f"the task of {key!r} differs from the one its checkpoint recorded", participant=self.participant
+                )
+            self._continued.add(key)
+        else:
+            episode = self.registry.begin(key)
+            self._digests[key] = digest
+        return episode
+
+    def track(self, key: str, task: asyncio.Task[Any]) -> None:
+        """The task running ``key``'s episode: a retire cancels it and waits for it."""
+        self._tasks[key] = task
+
+    def end_run(self, key: str, episode: Episode) -> None:
+        """The ``/run`` of ``key`` returned (or failed): forget the episode."""
+        episode.end()
+        self._tasks.pop(key, None)
+        self._digests.pop(key, None)
+        self._continued.discard(key)
+
+    @property
+    def participant(self) -> str:
+        return f"{self.kind}/{self.instance}"
+
+    # --- the Participant interface
+
+    async def close_admission(self) -> None:
+        self.registry.close()
+
+    async def open_admission(self) -> None:
+        self.registry.open()
+
+    def ready(self) -> bool:
+        return self.registry.ready()
+
+    def blocker_count(self) -> int:
+        return self.registry.blocker_count()
+
+    def blockers(self, limit: int) -> list[str]:
+        return self.registry.blockers(limit)
+
+    def restarts(self) -> list[str]:
+        return self.registry.restarts()
+
+    def counts(self) -> dict[str, int]:
+        return self.registry.counts()
+
+    def add_readiness_listener(self, callback: Callable[[], None]) -> None:
+        self.registry.add_listener(callback)
+
+    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
+        return [
+            {"episode_id": key, "task_digest": self._digests[key], "boundary": boundary}
+            for key, boundary in self.registry.export(scope).items()
+        ]
+
+    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+        for record in records:
+            key = record["episode_id"]
+            digest = record.get("task_digest")
+            if not isinstance(digest, str) or "boundary" not in record:
+                raise InvalidCheckpointState(
+                    f"environment record of {key!r} lacks task_digest or boundary", participant=self.participant
+                )
+            if self.registry.get(key) is None:
+                self.registry.begin(key, restored_boundary=record["boundary"], restored=True)
+                self._digests[key] = digest
+
+    async def retire(self, episode_ids: list[str]) -> None:
+        latest: dict[str, int] = {}
+        for key in episode_ids:
+            episode_id = EpisodeId.from_capture_key(key)
+            latest[episode_id.rollout_id] = max(latest.get(episode_id.rollout_id, -1), episode_id.attempt)
+        doomed = [
+            key
+            for key in self.registry.live_keys()
+            if (parsed := EpisodeId.from_capture_key(key)).attempt <= latest.get(parsed.rollout_id, -1)
+        ]
+        gate = asyncio.Semaphore(_RETIRE_CONCURRENCY)
+
+        async def stop(key: str) -> None:
+            async with gate:
+                await self._stop(key)
+
+        await asyncio.gather(*(stop(key) for key in doomed))
+
+    async def _stop(self, key: str) -> None:
+        episode = self.registry.mark_retiring(key)
+        task = self._tasks.get(key)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        if episode is not None:
+            self.end_run(key, episode)
+
+    async def delete_restored(self, episode_ids: list[str]) -> None:
+        for key in episode_ids:
+            episode = self.registry.get(key)
+            if episode is not None and episode.restored and key not in self._continued:
+                self.end_run(key, episode)
