@@ -16,6 +16,7 @@ from rich.table import Table
 
 from gymckpt._version import __version__
 from gymckpt.errors import GymckptError, InvalidCheckpointState
+from gymckpt.servers.stack import KINDS, build_server, load_stack
 from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
@@ -310,6 +311,55 @@ def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episod
     except (GymckptError, OSError) as exc:
         _fail(str(exc))
     out.flush()
+
+
+@main.command("serve")
+@click.argument("kind", type=click.Choice(sorted(KINDS)))
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--fd", type=int, help="Serve an inherited listening socket instead of binding host:port.")
+def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None) -> None:
+    """Run one reference server (inference, model, agent, counter, weather, environment).
+
+    The config file holds the server's own fields and a checkpoint: block; with
+    checkpoint.enabled false (the default) no checkpoint route or behaviour is installed.
+    """
+    import uvicorn
+
+    try:
+        app, _ = build_server(kind, config_file)
+    except (ValueError, ImportError) as exc:
+        _fail(f"cannot build the {kind} server: {exc}")
+    if fd is not None:
+        uvicorn.run(app, fd=fd, log_level="warning")
+    else:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@main.group("stack")
+def stack_group() -> None:
+    """Run a whole stack of reference servers from a YAML file."""
+
+
+@stack_group.command("up")
+@click.argument("stack_file", type=click.Path(exists=True, dir_okay=False))
+def stack_up(stack_file: str) -> None:
+    """Start every server of STACK_FILE, each in its own process group, until interrupted."""
+    import signal as signals
+
+    try:
+        stack = load_stack(stack_file)
+    except (ValueError, OSError) as exc:
+        _fail(f"{stack_file}: {exc}")
+    with stack:
+        stack.start()
+        for name, url in stack.urls.items():
+            _plain(f"{name}\t{stack.servers[name].kind}\t{url}\tlog {stack.servers[name].log_path}")
+        _plain("press Ctrl-C to stop the stack")
+        stop_signals = {signals.SIGINT, signals.SIGTERM}
+        signals.pthread_sigmask(signals.SIG_BLOCK, stop_signals)
+        signals.sigwait(stop_signals)
 
 
 @main.command("demo")

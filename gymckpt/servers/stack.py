@@ -1,0 +1,201 @@
+"""Run reference servers as real processes: one server (`serve`), or a whole stack from YAML.
+
+Each server of a stack runs in its own process group on a listening socket the stack
+opened and keeps: connections made before the server is up wait in the socket's
+backlog, and a server killed (SIGKILL of its process group, as a node failure takes a
+server's workers with it) and started again serves the same port.
+
+A stack file::
+
+    host: 127.0.0.1
+    checkpoint: {enabled: true, control_auth_token: secret}   # given to every Gym server
+    servers:
+      - {name: inference, kind: inference}
+      - {name: model, kind: model, config: {inference_url: "{inference}"}}
+      - {name: counter, kind: counter}
+      - {name: agent, kind: agent, config: {model_url: "{model}"}}
+      - {name: env, kind: environment, config: {agent_url: "{agent}", resources_url: "{counter}"}}
+
+``"{name}"`` in a config value is replaced by that server's base URL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from gymckpt.servers.base import ServerConfig
+
+__all__ = ["KINDS", "ServerProcess", "Stack", "build_server", "load_stack"]
+
+#: server kind → (module, config class, app builder); imported when used
+KINDS: dict[str, tuple[str, str, str]] = {
+    "inference": ("gymckpt.servers.inference", "InferenceConfig", "build_inference_app"),
+    "model": ("gymckpt.servers.model", "ModelServerConfig", "build_model_app"),
+    "agent": ("gymckpt.servers.agent", "AgentConfig", "build_agent_app"),
+    "counter": ("gymckpt.servers.counter", "CounterConfig", "build_counter_app"),
+    "weather": ("gymckpt.servers.weather", "WeatherConfig", "build_weather_app"),
+    "environment": ("gymckpt.servers.environment", "EnvironmentConfig", "build_environment_app"),
+}
+#: kinds that are not Gym servers: they get no checkpoint block
+_NOT_GYM = frozenset({"inference"})
+
+
+def build_server(kind: str, config: str | Path | dict[str, Any] | None) -> tuple[FastAPI, ServerConfig]:
+    """The app of one server ``kind`` from its config file or dict."""
+    from gymckpt.servers.base import load_server_config
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown server kind {kind!r}; one of {', '.join(KINDS)}")
+    module_name, config_name, builder_name = KINDS[kind]
+    module = importlib.import_module(module_name)
+    loaded = load_server_config(getattr(module, config_name), config)
+    return getattr(module, builder_name)(loaded), loaded
+
+
+@dataclass
+class ServerProcess:
+    """One server of a stack: its listening socket (kept across restarts) and its process."""
+
+    name: str
+    kind: str
+    config: dict[str, Any]
+    sock: socket.socket
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def start(self, config_dir: Path) -> None:
+        """Start the server in a new process group on the kept socket."""
+        config_file = config_dir / f"{self.name}.yaml"
+        config_file.write_text(yaml.safe_dump(self.config))
+        fd = self.sock.fileno()
+        log = self.log_path.open("ab")
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gymckpt", "serve", self.kind, "--fd", str(fd), "--config", str(config_file)],
+                pass_fds=(fd,),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the server's whole process group and reap it."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=timeout)
+        self.process = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class Stack:
+    """A set of servers started from a stack spec, killable and restartable as a whole."""
+
+    servers: dict[str, ServerProcess] = field(default_factory=dict)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gymckpt-stack-")))
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {name: server.url for name, server in self.servers.items()}
+
+    def start(self, names: list[str] | None = None) -> None:
+        """Start (or restart) the named servers, all by default."""
+        for name in names or list(self.servers):
+            server = self.servers[name]
+            if not server.alive:
+                server.start(self.workdir)
+
+    def kill(self, names: list[str] | None = None) -> None:
+        """SIGKILL the named servers' process groups (all by default); their sockets stay open."""
+        for name in names or list(self.servers):
+            self.servers[name].kill()
+
+    def close(self) -> None:
+        """Kill every server and close the sockets."""
+        self.kill()
+        for server in self.servers.values():
+            server.sock.close()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None) -> Stack:
+    """Open every server's socket and resolve ``{name}`` URLs; nothing is started yet."""
+    data = yaml.safe_load(Path(spec).read_text()) if not isinstance(spec, dict) else spec
+    if not isinstance(data, dict) or not isinstance(data.get("servers"), list):
+        raise ValueError("a stack file is a mapping with a 'servers' list")
+    host = str(data.get("host", "127.0.0.1"))
+    checkpoint = data.get("checkpoint")
+    stack = Stack() if workdir is None else Stack(workdir=workdir)
+    entries = []
+    for entry in data["servers"]:
+        name, kind = entry.get("name"), entry.get("kind")
+        if not name or kind not in KINDS:
+            raise ValueError(f"stack entry {entry!r} needs a name and a kind among {', '.join(KINDS)}")
+        if name in stack.servers:
+            raise ValueError(f"two servers are named {name!r}")
+        sock = socket.create_server((host, int(entry.get("port", 0))), backlog=1024)
+        sock.set_inheritable(True)
+        log_path = stack.workdir / f"{name}.log"
+        stack.servers[name] = ServerProcess(name, kind, {}, sock, log_path)
+        entries.append((name, kind, dict(entry.get("config") or {})))
+    urls = stack.urls
+    for name, kind, config in entries:
+        resolved = _resolve(config, urls)
+        if checkpoint is not None and kind not in _NOT_GYM and "checkpoint" not in resolved:
+            resolved["checkpoint"] = checkpoint
+        if "instance" in _config_fields(kind):
+            resolved.setdefault("instance", name)
+        stack.servers[name].config = resolved
+    return stack
+
+
+def _config_fields(kind: str) -> set[str]:
+    module_name, config_name, _ = KINDS[kind]
+    try:
+        return set(getattr(importlib.import_module(module_name), config_name).model_fields)
+    except (ImportError, AttributeError):
+        return set()
+
+
+def _resolve(value: Any, urls: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return value.format_map(urls) if "{" in value else value
+    if isinstance(value, dict):
+        return {key: _resolve(item, urls) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_resolve(item, urls) for item in value]
+    return value
