@@ -45,6 +45,8 @@ EXACT_PREFIX = b'{"episode_id": '
 FAST_PREFIX = b'{"episode_id":"'
 
 _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
+#: lists longer than this are summed in C before they are looked at item by item
+_SUMMED_LIST = 8
 _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 _EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTALL)
 
@@ -54,13 +56,30 @@ def _refuse(value: object) -> object:
 
 
 def _fast_path_safe(value: object) -> bool:
-    """True when orjson writes ``value`` exactly: only exact JSON types, finite floats."""
+    """True when orjson writes ``value`` exactly: only exact JSON types, finite floats.
+
+    A long list is first summed in C: an int total means ints only, a finite float total
+    ints and finite floats only; anything else (a string, a container, NaN, an overflow)
+    falls back to looking at each item.
+    """
     stack = [value]
     pop = stack.pop
     push = stack.append
     while stack:
         node = pop()
-        items = node.values() if type(node) is dict else node
+        if type(node) is dict:
+            items = node.values()
+        else:
+            items = node
+            if len(node) > _SUMMED_LIST:
+                try:
+                    total = sum(node)
+                except TypeError:
+                    pass
+                else:
+                    kind = type(total)
+                    if kind is int or (kind is float and total - total == 0.0):
+                        continue
         for item in items:
             kind = type(item)
             if kind is str or kind is int or item is None or kind is bool:
@@ -73,6 +92,48 @@ def _fast_path_safe(value: object) -> bool:
             else:
                 return False
     return True
+
+
+def _exact_path_safe(value: object, *, check_strings: bool) -> int | None:
+    """The nesting depth when the exact encoder can write ``value`` faithfully, else None.
+
+    Like :func:`check_json` without building paths (which only the error needs);
+    ``check_strings`` looks for surrogate pairs, needed only where orjson refused a string.
+    """
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    pop = stack.pop
+    push = stack.append
+    pair = _SURROGATE_PAIR.search
+    while stack:
+        node, depth = pop()
+        if depth > deepest:
+            if depth > MAX_DEPTH:
+                return None
+            deepest = depth
+        if type(node) is dict:
+            for key, item in node.items():
+                if type(key) is not str or (check_strings and pair(key)):
+                    return None
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push((item, depth + 1))
+                elif kind is str:
+                    if check_strings and pair(item):
+                        return None
+                elif not (kind is int or kind is float or item is None or kind is bool):
+                    return None
+        else:
+            for item in node:  # type: ignore[attr-defined]
+                kind = type(item)
+                if kind is dict or kind is list:
+                    push((item, depth + 1))
+                elif kind is str:
+                    if check_strings and pair(item):
+                        return None
+                elif not (kind is int or kind is float or item is None or kind is bool):
+                    return None
+    return deepest
 
 
 def _path_join(path: str, key: object) -> str:
@@ -183,12 +244,22 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
     :class:`NotJSONError` (naming the episode and the path) for a value JSON cannot hold.
     """
     episode_id = _leading_episode_id(record)
+    options = _ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE
     if _fast_path_safe(record):
         try:
-            return episode_id, orjson.dumps(record, default=_refuse, option=_ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
+            return episode_id, orjson.dumps(record, default=_refuse, option=options)
         except TypeError:
-            pass  # big integer, lone surrogate, deep nesting, or a non-str key
-    depth = check_json(record, episode_id=episode_id)
+            strings_clean = False  # a big integer, a lone surrogate, deep nesting, or a non-str key
+    else:
+        try:  # NaN or an infinity (or a type orjson converts): does orjson vouch for the strings?
+            orjson.dumps(record, default=_refuse, option=options)
+            strings_clean = True
+        except TypeError:
+            strings_clean = False
+    depth = _exact_path_safe(record, check_strings=not strings_clean)
+    if depth is None:
+        check_json(record, episode_id=episode_id)  # raises, naming the first bad value
+        raise AssertionError("unreachable: check_json accepted what the exact path refused")  # pragma: no cover
     return episode_id, _exact_dumps(record, depth)
 
 

@@ -13,7 +13,7 @@ import gc
 import hashlib
 import queue
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,15 @@ if TYPE_CHECKING:
     from gymckpt.errors import InvalidCheckpointState
     from gymckpt.store.backend import BlobSink
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "RecordsCheck", "RecordsSummary", "WriteStop", "read_records", "write_records"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "RecordsCheck",
+    "RecordsSummary",
+    "WriteStop",
+    "paused_gc",
+    "read_records",
+    "write_records",
+]
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 _QUEUE_DEPTH = 4
@@ -196,17 +204,43 @@ class _ChunkReader(threading.Thread):
                 pass
 
 
+class _GCPause:
+    """Counts the open pauses of the cyclic GC across threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pauses = 0
+        self.was_enabled = False
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.pauses == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.pauses += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.pauses -= 1
+            if self.pauses == 0 and self.was_enabled:
+                gc.enable()
+
+
+_GC_PAUSE = _GCPause()
+
+
 @contextmanager
-def _no_gc() -> Iterator[None]:
-    """Pause the cyclic GC while decoding: decoded records hold no cycles, and collecting
-    a growing heap of fresh containers over and over is what makes naive restores slow."""
-    enabled = gc.isenabled()
-    gc.disable()
+def paused_gc() -> Iterator[None]:
+    """Pause Python's cyclic GC while records are decoded; nested and concurrent pauses count.
+
+    Decoded records hold no reference cycles, and collecting a heap of fresh containers
+    over and over as it grows is what makes naive restores slow (about 1.5x the decode).
+    """
+    _GC_PAUSE.enter()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        _GC_PAUSE.exit()
 
 
 @dataclass
@@ -269,7 +303,8 @@ def read_records(
     after the last line, before the iterator ends; damage raises a typed
     :class:`~gymckpt.errors.InvalidCheckpointState`, so a consumer must not act on
     records before the iteration finished. Out-of-scope lines are hashed and counted
-    but not decoded unless ``decode_all``.
+    but not decoded unless ``decode_all``. While the iterator is open the cyclic GC is
+    paused (:func:`paused_gc`); it resumes when the iterator ends, is closed or dropped.
     """
     reader = _ChunkReader(stream, chunk_size)
     reader.start()
@@ -277,11 +312,10 @@ def read_records(
     undecodable: str | None = None
     line_number = 0
     try:
-        for lines in _lines(reader.chunks()):
-            if progress is not None:
-                progress(sum(len(line) + 1 for line in lines))
-            selected: list[dict[str, Any]] = []
-            with _no_gc() if lines else nullcontext():
+        with paused_gc():
+            for lines in _lines(reader.chunks()):
+                if progress is not None:
+                    progress(sum(len(line) + 1 for line in lines))
                 for line in lines:
                     line_number += 1
                     if undecodable is not None:
@@ -290,12 +324,11 @@ def read_records(
                         episode_id = episode_id_of_line(line)
                         episode_ids.append(episode_id)
                         if scope is None or episode_id in scope:
-                            selected.append(decode_line(line))
+                            yield decode_line(line)
                         elif decode_all:
                             decode_line(line)
                     except RecordUndecodable as exc:
                         undecodable = f"line {line_number}: {exc.reason}"
-            yield from selected
     finally:
         reader.cancel()
         reader.join()
