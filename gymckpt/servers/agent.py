@@ -1,0 +1,615 @@
+"""The simple agent (D1, P3): a turn loop of model call → tool call, checkpointed per session.
+
+Routes (docs/reference-stack.md, "agent"):
+
+- ``POST /v1/responses`` (``/ng-rollout/<key>/v1/responses``): one turn-loop activation of
+  the episode's session: ``{"input": [messages] | str, "resources_url", "tools",
+  "expected_tool"?}`` → ``{"output_text", "turns", "expected"}``. The loop calls the model
+  (``model_url`` ``/v1/responses``, for the same episode); a ``function_call`` is sent to
+  ``POST <resources_url>/<tool name>`` with its JSON arguments (for the same episode), its
+  reply appended as a ``role: tool`` message; a final message ends the activation.
+  ``turns`` counts the activation's model calls, ``expected`` is the session's sum of the
+  tool calls' ``n`` arguments (what the counter's ``/verify`` checks).
+- ``POST /close_session``: the session ends.
+- ``POST /run``: a legacy flat row (``_ng_rollout_id``, ``_ng_attempt_index``,
+  ``_ng_task_index``, ``_ng_rollout_index``, ``responses_create_params``, and optionally
+  ``task_input`` and ``resources_url``): seed (replay), the turn loop, verify (in the mode
+  the resources server reported on its seed reply) → ``{"reward", "response"}``.
+
+Replays are safe: an activation whose input equals the one in progress continues it (the
+environment re-invokes the agent after a crash), and the first activation of a restored
+session that repeats its last completed one returns that reply without calling the model.
+
+State changes only in step boundary callbacks, and messages are append-only, so a boundary
+is a cheap :class:`_ConversationSnapshot` (a message count into the list) materialised only
+at export. With checkpointing off there is no participant and no rollout context: each
+``/v1/responses`` is a session of its own and downstream calls carry no prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from gymckpt.control.models import error_body
+from gymckpt.errors import GymckptError, InvalidRolloutId
+from gymckpt.participants.agent import (
+    RUN,
+    AgentSessionParticipant,
+    PlainActivation,
+    RestartOnlyAgentParticipant,
+    materialize,
+)
+from gymckpt.participants.identity import EpisodeId
+from gymckpt.participants.rollout import current_episode, episode_context
+from gymckpt.participants.steps import StepMode
+from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, build_app
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from fastapi import FastAPI
+
+__all__ = [
+    "AgentConfig",
+    "AgentError",
+    "AgentRequestError",
+    "ResponsesBody",
+    "RestoredInputMismatch",
+    "SimpleAgent",
+    "build_agent_app",
+    "input_digest",
+]
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class AgentConfig(ServerConfig):
+    """The simple agent's config."""
+
+    #: base URL of the policy model server
+    model_url: str
+    #: model calls per activation before it ends without a final message
+    max_turns: int = Field(default=8, ge=1)
+    #: False: the agent has no session hooks and is restart-only
+    session_hooks: bool = True
+    #: resources server for legacy /run rows and activations that name none
+    resources_url: str | None = None
+    #: the ``model`` field of model calls
+    model: str = "gymckpt-policy"
+    #: the participant's instance name
+    instance: str = "agent-0"
+
+
+class AgentError(GymckptError):
+    """502 ``agent_error``: a turn loop that cannot go on (a malformed model reply or tool call)."""
+
+    code = "agent_error"
+    status = 502
+
+
+class AgentRequestError(GymckptError):
+    """400 ``invalid_agent_request``: a request the agent cannot serve (bad input, no resources server)."""
+
+    code = "invalid_agent_request"
+    status = 400
+
+
+class RestoredInputMismatch(GymckptError):
+    """409 ``restored_input_mismatch``: a legacy run's replacement attempt brought another input."""
+
+    code = "restored_input_mismatch"
+    status = 409
+
+
+class ResponsesBody(BaseModel):
+    """One activation's request (unknown fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input: list[dict[str, Any]] | str
+    resources_url: str | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    expected_tool: str | None = None
+
+    def items(self) -> list[dict[str, Any]]:
+        return _items(self.input)
+
+
+def _items(value: object) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        return list(value)
+    raise AgentRequestError("input must be a string or a list of message objects")
+
+
+def input_digest(items: list[dict[str, Any]]) -> str:
+    """The sha256 of an activation's input (canonical JSON), to recognise a replayed activation."""
+    return hashlib.sha256(
+        json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    ).hexdigest()
+
+
+# ----------------------------------------------------------------------------- conversation state
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelTurn:
+    """A parsed model reply: a function call, or a final text."""
+
+    call: dict[str, Any] | None
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class _ToolResult:
+    arguments: dict[str, Any]
+    reply: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _ConversationSnapshot:
+    """A lazy boundary: a prefix of the append-only message list, materialised at export."""
+
+    messages: list[dict[str, Any]]
+    length: int
+    expected: int
+    activation: tuple[str, int] | None
+    pending_call: dict[str, Any] | None
+    last: dict[str, Any] | None
+
+    def __call__(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages[: self.length],
+            "expected": self.expected,
+            "activation": None
+            if self.activation is None
+            else {"input_sha256": self.activation[0], "turns": self.activation[1]},
+            "pending_call": self.pending_call,
+            "last": self.last,
+        }
+
+
+class _Conversation:
+    """A session's turn-loop state; it changes only in step boundary callbacks."""
+
+    __slots__ = ("activation", "expected", "last", "messages", "pending_call", "restored")
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.expected = 0
+        #: (input digest, model calls so far) of the activation in progress
+        self.activation: tuple[str, int] | None = None
+        #: a function call the model asked for whose tool call has not completed
+        self.pending_call: dict[str, Any] | None = None
+        #: ``{"input_sha256", "reply"}`` of the last completed activation
+        self.last: dict[str, Any] | None = None
+        #: restored and no activation ran since
+        self.restored = False
+
+    @classmethod
+    def from_boundary(cls, boundary: object) -> _Conversation:
+        """The conversation a materialised boundary describes (None: a new one)."""
+        conversation = cls()
+        if boundary is None:
+            return conversation
+        if not isinstance(boundary, dict):
+            raise AgentError(f"a conversation boundary must be an object, not {type(boundary).__name__}")
+        conversation.messages = list(boundary.get("messages") or [])
+        conversation.expected = int(boundary.get("expected") or 0)
+        activation = boundary.get("activation")
+        if activation is not None:
+            conversation.activation = (str(activation["input_sha256"]), int(activation["turns"]))
+        conversation.pending_call = boundary.get("pending_call")
+        conversation.last = boundary.get("last")
+        return conversation
+
+    def snapshot(self) -> _ConversationSnapshot:
+        return _ConversationSnapshot(
+            self.messages, len(self.messages), self.expected, self.activation, self.pending_call, self.last
+        )
+
+    def begin(self, items: list[dict[str, Any]], digest: str) -> _ConversationSnapshot:
+        """A new activation: its input joins the conversation."""
+        self.messages.extend(items)
+        self.activation = (digest, 0)
+        self.pending_call = None
+        return self.snapshot()
+
+    def apply_model(self, turn: _ModelTurn) -> _ConversationSnapshot:
+        assert self.activation is not None
+        digest, turns = self.activation
+        self.activation = (digest, turns + 1)
+        if turn.call is not None:
+            self.messages.append(turn.call)
+            self.pending_call = turn.call
+            return self.snapshot()
+        self.messages.append({"role": "assistant", "content": turn.text})
+        return self._finish(turn.text)
+
+    def apply_tool(self, call: dict[str, Any], result: _ToolResult) -> _ConversationSnapshot:
+        n = result.arguments.get("n")
+        if isinstance(n, int) and not isinstance(n, bool):
+            self.expected += n
+        self.messages.append(
+            {
+                "role": "tool",
+                "call_id": call.get("call_id"),
+                "name": call["name"],
+                "content": json.dumps(result.reply, separators=(",", ":")),
+            }
+        )
+        self.pending_call = None
+        return self.snapshot()
+
+    def give_up(self) -> _ConversationSnapshot:
+        """max_turns reached without a final message."""
+        return self._finish("")
+
+    def _finish(self, text: str) -> _ConversationSnapshot:
+        assert self.activation is not None
+        digest, turns = self.activation
+        self.last = {"input_sha256": digest, "reply": {"output_text": text, "turns": turns, "expected": self.expected}}
+        self.activation = None
+        self.pending_call = None
+        return self.snapshot()
+
+
+class _Session:
+    """One agent session (a rollout attempt): its settings and its conversation."""
+
+    __slots__ = ("conversation", "settings")
+
+    def __init__(self, settings: dict[str, Any], conversation: _Conversation) -> None:
+        self.settings = settings
+        self.conversation = conversation
+
+
+@dataclass(frozen=True, slots=True)
+class _RunSnapshot:
+    """A legacy run's lazy boundary."""
+
+    seeded: bool
+    verify_mode: str
+    verify: dict[str, Any] | None
+    conversation: object
+
+    def __call__(self) -> dict[str, Any]:
+        return {
+            "seeded": self.seeded,
+            "verify_mode": self.verify_mode,
+            "verify": self.verify,
+            "conversation": materialize(self.conversation),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class _Seeded:
+    reply: dict[str, Any]
+    verify_mode: str
+    restart: bool
+
+
+class _RunState:
+    """A legacy run: seeded?, the verify mode the seed reply reported, the loop, the verify reply."""
+
+    __slots__ = ("conversation", "seeded", "verify", "verify_mode")
+
+    def __init__(self) -> None:
+        self.seeded = False
+        self.verify_mode = "wait"
+        self.verify: dict[str, Any] | None = None
+        self.conversation = _Conversation()
+
+    @classmethod
+    def from_boundary(cls, boundary: object) -> _RunState:
+        state = cls()
+        if boundary is None:
+            return state
+        if not isinstance(boundary, dict):
+            raise AgentError(f"a run boundary must be an object, not {type(boundary).__name__}")
+        state.seeded = bool(boundary.get("seeded"))
+        state.verify_mode = str(boundary.get("verify_mode") or "wait")
+        state.verify = boundary.get("verify")
+        state.conversation = _Conversation.from_boundary(boundary.get("conversation"))
+        return state
+
+    def wrap(self, conversation: _ConversationSnapshot) -> _RunSnapshot:
+        return _RunSnapshot(self.seeded, self.verify_mode, self.verify, conversation)
+
+    def apply_seed(self, seeded: _Seeded, items: list[dict[str, Any]]) -> _RunSnapshot:
+        self.seeded = True
+        self.verify_mode = seeded.verify_mode
+        return self.wrap(self.conversation.begin(items, input_digest(items)))
+
+    def apply_verify(self, reply: dict[str, Any]) -> _RunSnapshot:
+        self.verify = reply
+        return self.wrap(self.conversation.snapshot())
+
+
+def _same(snapshot: _ConversationSnapshot) -> object:
+    return snapshot
+
+
+# ----------------------------------------------------------------------------- the agent
+
+
+class SimpleAgent:
+    """The simple agent's sessions and turn loop; it implements the agent session hooks."""
+
+    def __init__(self, config: AgentConfig, downstream: Downstream) -> None:
+        self.config = config
+        self.downstream = downstream
+        #: live sessions by capture key
+        self.sessions: dict[str, _Session] = {}
+
+    # --------------------------------------------------------------- session hooks
+
+    async def export_agent_sessions(self, keys: list[str]) -> dict[str, Any]:
+        """Each held session's settings (its conversation is the participant's boundary)."""
+        return {key: self.sessions[key].settings for key in keys if key in self.sessions}
+
+    async def restore_agent_sessions(self, states: Mapping[str, Any]) -> None:
+        """Rebuild sessions from their settings and boundaries."""
+        for key, entry in states.items():
+            conversation = _Conversation.from_boundary(entry.get("boundary"))
+            conversation.restored = True
+            settings = entry.get("state")
+            self.sessions[key] = _Session(dict(settings) if isinstance(settings, dict) else {}, conversation)
+
+    async def retire_agent_session(self, key: str) -> None:
+        """Forget the session."""
+        self.sessions.pop(key, None)
+
+    def close_session(self, key: str | None) -> None:
+        """``/close_session``: forget the session."""
+        if key is not None:
+            self.sessions.pop(key, None)
+
+    # --------------------------------------------------------------- /v1/responses
+
+    async def respond(self, key: str | None, body: ResponsesBody, activation: PlainActivation) -> dict[str, Any]:
+        """One activation of ``key``'s session (a session of its own when ``key`` is None)."""
+        items = body.items()
+        digest = input_digest(items)
+        settings = {"resources_url": body.resources_url or self.config.resources_url, "tools": body.tools}
+        session = self.sessions.get(key) if key is not None else None
+        if session is None:
+            session = _Session(settings, _Conversation())
+            if key is not None:
+                self.sessions[key] = session
+        else:
+            session.settings = settings
+        conversation = session.conversation
+        if conversation.restored:
+            conversation.restored = False
+            last = conversation.last
+            if conversation.activation is None and last is not None and last.get("input_sha256") == digest:
+                return dict(last["reply"])  # completed before the checkpoint; the caller replays it
+        if conversation.activation is None or conversation.activation[0] != digest:
+            await activation.record(lambda: conversation.begin(items, digest))
+        return await self._turn_loop(
+            conversation, tools=body.tools, resources_url=settings["resources_url"], activation=activation, wrap=_same
+        )
+
+    async def _turn_loop(
+        self,
+        conversation: _Conversation,
+        *,
+        tools: list[dict[str, Any]],
+        resources_url: str | None,
+        activation: PlainActivation,
+        wrap: Callable[[_ConversationSnapshot], object],
+    ) -> dict[str, Any]:
+        """Model call (replay) → tool call (wait) until a final message or max_turns."""
+        while conversation.activation is not None:
+            call = conversation.pending_call
+            if call is not None:
+                await activation.tool_call(
+                    lambda call=call: self._call_tool(resources_url, call),
+                    boundary=lambda result, call=call: wrap(conversation.apply_tool(call, result)),
+                )
+            elif conversation.activation[1] >= self.config.max_turns:
+                await activation.record(lambda: wrap(conversation.give_up()))
+            else:
+                await activation.model_call(
+                    lambda: self._call_model(conversation, tools),
+                    boundary=lambda turn: wrap(conversation.apply_model(turn)),
+                )
+        assert conversation.last is not None
+        return dict(conversation.last["reply"])
+
+    async def _call_model(self, conversation: _Conversation, tools: list[dict[str, Any]]) -> _ModelTurn:
+        body = {"model": self.config.model, "input": conversation.messages, "tools": tools}
+        reply, _ = await self.downstream.post(self.config.model_url, "/v1/responses", body)
+        return _parse_model_reply(reply)
+
+    async def _call_tool(self, resources_url: str | None, call: dict[str, Any]) -> _ToolResult:
+        if not resources_url:
+            raise AgentRequestError(f"the model called tool {call.get('name')!r} but no resources_url is known")
+        try:
+            arguments = json.loads(call.get("arguments") or "{}")
+        except (TypeError, ValueError) as exc:
+            raise AgentError(f"tool call arguments are not JSON: {call.get('arguments')!r}") from exc
+        if not isinstance(arguments, dict):
+            raise AgentError(f"tool call arguments must be an object: {call.get('arguments')!r}")
+        reply, _ = await self.downstream.post(resources_url, "/" + call["name"], arguments)
+        return _ToolResult(arguments, reply)
+
+    # --------------------------------------------------------------- legacy /run
+
+    @staticmethod
+    def check_restored_run(boundary: object, row: dict[str, Any]) -> None:
+        """Refuse a replacement ``/run`` whose input is not the one its restored boundary began with."""
+        if not isinstance(boundary, dict):
+            return
+        conversation = boundary.get("conversation") or {}
+        recorded = (conversation.get("activation") or conversation.get("last") or {}).get("input_sha256")
+        params = row.get("responses_create_params")
+        given = input_digest(_items(params.get("input", []))) if isinstance(params, dict) else None
+        if recorded is not None and recorded != given:
+            raise RestoredInputMismatch("this /run's input differs from the input of the restored episode it continues")
+
+    async def run_legacy(self, row: dict[str, Any], activation: PlainActivation) -> dict[str, Any]:
+        """Seed, the turn loop, verify: an episode of its own that continues from a restored boundary."""
+        params = row.get("responses_create_params") or {}
+        if not isinstance(params, dict):
+            raise AgentRequestError("responses_create_params must be an object")
+        items = _items(params.get("input", []))
+        tools = params.get("tools") or []
+        resources_url = row.get("resources_url") or self.config.resources_url
+        if not resources_url:
+            raise AgentRequestError("a legacy /run needs a resources_url (in the row or the agent's config)")
+        task_input = row.get("task_input") or {}
+        state = _RunState.from_boundary(activation.boundary if activation.restored else None)
+        if not state.seeded:
+            seeded = await activation.step(
+                StepMode.REPLAY,
+                lambda: self._seed(resources_url, task_input),
+                boundary=lambda result: state.apply_seed(result, items),
+            )
+            if seeded.restart:
+                await activation.mark_restart()
+        conversation = state.conversation
+        if conversation.last is None:
+            await self._turn_loop(
+                conversation, tools=tools, resources_url=resources_url, activation=activation, wrap=state.wrap
+            )
+        assert conversation.last is not None
+        response = dict(conversation.last["reply"])
+        if state.verify is None:
+            mode = StepMode.REPLAY if state.verify_mode == "replay" else StepMode.WAIT
+            await activation.step(mode, lambda: self._verify(resources_url, response), boundary=state.apply_verify)
+        verify = state.verify or {}
+        return {"reward": verify.get("reward"), "response": response}
+
+    async def _seed(self, resources_url: str, task_input: object) -> _Seeded:
+        reply, headers = await self.downstream.post(resources_url, "/seed_session", {"task_input": task_input})
+        mode = "replay" if headers.get("x-ng-checkpoint-verify") == "replay" else "wait"
+        return _Seeded(reply, mode, headers.get("x-ng-checkpoint-restart") == "1")
+
+    async def _verify(self, resources_url: str, response: dict[str, Any]) -> dict[str, Any]:
+        body = {"response": response["output_text"], "expected": response["expected"]}
+        reply, _ = await self.downstream.post(resources_url, "/verify", body)
+        return reply
+
+
+def _parse_model_reply(reply: dict[str, Any]) -> _ModelTurn:
+    output = reply.get("output")
+    if not isinstance(output, list):
+        raise AgentError("the model reply has no output list")
+    for item in output:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type") == "function_call":
+            name = item.get("name")
+            if not isinstance(name, str) or not _TOOL_NAME.match(name):
+                raise AgentError(f"the model called a tool with an unusable name: {name!r}")
+            arguments = item.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            return _ModelTurn(
+                {"type": "function_call", "name": name, "arguments": arguments, "call_id": item.get("call_id")}, ""
+            )
+        if item.get("type") == "message" or item.get("role") == "assistant":
+            content = item.get("content")
+            if isinstance(content, str):
+                return _ModelTurn(None, content)
+            if isinstance(content, list):
+                text = "".join(
+                    part.get("text", "")
+                    for part in content
+                    if isinstance(part, dict) and part.get("type") in ("output_text", "text")
+                )
+                return _ModelTurn(None, text)
+    raise AgentError("the model reply has neither a function_call nor a message")
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def build_agent_app(config: AgentConfig) -> FastAPI:
+    """The simple agent's app; checkpointing installed only when the config enables it.
+
+    ``app.state`` holds ``agent``, ``participant`` and ``plane`` (None when off) and
+    ``downstream``, for tests and tools.
+    """
+    agent = SimpleAgent(config, Downstream(checkpointing=False))
+    participant: AgentSessionParticipant | RestartOnlyAgentParticipant | None = None
+    if config.checkpoint.enabled and config.session_hooks:
+        participant = AgentSessionParticipant(agent, instance=config.instance)
+    elif config.checkpoint.enabled:
+        # no hooks: restart-only, but a retired session's messages are still freed
+        participant = RestartOnlyAgentParticipant(instance=config.instance, free=agent.retire_agent_session)
+    app, plane, downstream = build_app("gymckpt agent", config, participant)
+    agent.downstream = downstream
+    app.state.agent = agent
+    app.state.participant = participant
+    app.state.plane = plane
+    app.state.downstream = downstream
+
+    async def gymckpt_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, GymckptError)
+        return JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status)
+
+    async def downstream_error(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body("downstream_error", str(exc)), status_code=502)
+
+    if GymckptError not in app.exception_handlers:
+        app.add_exception_handler(GymckptError, gymckpt_error)
+    app.add_exception_handler(DownstreamError, downstream_error)
+    app.add_exception_handler(aiohttp.ClientError, downstream_error)
+
+    def episode_key() -> str | None:
+        episode = current_episode()
+        return episode.capture_key if episode is not None else None
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesBody) -> dict[str, Any]:
+        key = episode_key()
+        if participant is None:
+            return await agent.respond(key, body, PlainActivation(key))
+        return await participant.run(key, lambda activation: agent.respond(key, body, activation))
+
+    @app.post("/close_session")
+    async def close_session() -> dict[str, Any]:
+        key = episode_key()
+        if participant is not None:
+            await participant.close_session(key)
+        agent.close_session(key)
+        return {"closed": True}
+
+    @app.post("/run")
+    async def run(request: Request) -> dict[str, Any]:
+        try:
+            row = await request.json()
+        except ValueError as exc:
+            raise AgentRequestError(f"a /run body must be JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise AgentRequestError("a /run body must be a JSON object (a flat row)")
+        episode = EpisodeId.from_run_body(row)
+        prefixed = current_episode()
+        if episode is None:
+            episode = prefixed
+        elif prefixed is not None and prefixed != episode:
+            raise InvalidRolloutId(f"the row names {episode} but the path names {prefixed}")
+        key = episode.capture_key if episode is not None else None
+        if participant is not None and key is not None and participant.kind_of(key) == RUN:
+            restored = participant.registry.get(key)
+            if restored is not None and restored.restored:
+                agent.check_restored_run(restored.boundary, row)  # before the run would consume it
+        with episode_context(episode):
+            if participant is None:
+                return await agent.run_legacy(row, PlainActivation(key))
+            return await participant.run(key, lambda activation: agent.run_legacy(row, activation), kind=RUN)
+
+    return app
