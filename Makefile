@@ -20,8 +20,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# local store against its primitives and peers, then S3 (an embedded moto server) against raw s3fs
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks
