@@ -23,7 +23,7 @@ test: $(STAMP)
 # local store against its primitives and peers, then S3 (an embedded moto server) against raw s3fs
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
-	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_ARGS)
+	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_S3_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks
