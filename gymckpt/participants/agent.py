@@ -45,9 +45,9 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from gymckpt.control.marks import split_capture_key
-from gymckpt.control.participant import Participant
 from gymckpt.errors import ControlError, RolloutIdRequired, StaleAttempt
 from gymckpt.participants.identity import EpisodeId
+from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeEnded, EpisodeRegistry, StepMode
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class AgentActivation(PlainActivation):
         await self.episode.mark_restart()
 
 
-class _AgentParticipantBase(Participant):
+class _AgentParticipantBase(RegistryParticipant):
     """Admission, readiness, activations and retire, shared by both agent participants."""
 
     kind = "agent"
@@ -225,31 +225,10 @@ class _AgentParticipantBase(Participant):
 
     # ----------------------------------------------------------------- admission, readiness
 
-    async def close_admission(self) -> None:
-        self.registry.close()
-
-    async def open_admission(self) -> None:
-        self.registry.open()
-
-    def ready(self) -> bool:
-        return self.registry.ready()
-
-    def blocker_count(self) -> int:
-        return self.registry.blocker_count()
-
-    def blockers(self, limit: int) -> list[str]:
-        return self.registry.blockers(limit)
-
-    def restarts(self) -> list[str]:
-        return self.registry.restarts()
-
     def counts(self) -> dict[str, int]:
-        counts = self.registry.counts()
+        counts = super().counts()
         counts["activations"] = len(self._active)
         return counts
-
-    def add_readiness_listener(self, callback: Callable[[], None]) -> None:
-        self.registry.add_listener(callback)
 
     # ----------------------------------------------------------------- activations
 

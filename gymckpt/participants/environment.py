@@ -14,14 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gymckpt.control.participant import Participant
 from gymckpt.errors import CheckpointConflict, InvalidCheckpointState
 from gymckpt.participants.identity import EpisodeId
+from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeRegistry
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from gymckpt.control.plane import ControlPlane
     from gymckpt.participants.steps import Episode
 
@@ -36,7 +34,7 @@ def task_digest(task: Any) -> str:
     return hashlib.sha256(orjson.dumps(task, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
-class EnvironmentParticipant(Participant):
+class EnvironmentParticipant(RegistryParticipant):
     """Tracks every live episode of an environment server and its task."""
 
     kind = "environment"
@@ -94,30 +92,6 @@ class EnvironmentParticipant(Participant):
         return f"{self.kind}/{self.instance}"
 
     # --- the Participant interface
-
-    async def close_admission(self) -> None:
-        self.registry.close()
-
-    async def open_admission(self) -> None:
-        self.registry.open()
-
-    def ready(self) -> bool:
-        return self.registry.ready()
-
-    def blocker_count(self) -> int:
-        return self.registry.blocker_count()
-
-    def blockers(self, limit: int) -> list[str]:
-        return self.registry.blockers(limit)
-
-    def restarts(self) -> list[str]:
-        return self.registry.restarts()
-
-    def counts(self) -> dict[str, int]:
-        return self.registry.counts()
-
-    def add_readiness_listener(self, callback: Callable[[], None]) -> None:
-        self.registry.add_listener(callback)
 
     async def export(self, scope: list[str]) -> list[dict[str, Any]]:
         return [

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gymckpt.control.participant import Participant
 from gymckpt.errors import InvalidCheckpointState, RolloutIdRequired, StaleAttempt
 from gymckpt.participants.identity import EpisodeId
+from gymckpt.participants.signal import ChangeSignal
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -89,7 +90,7 @@ class ModelParticipant(Participant):
         #: capture key → how many of its responses are streaming (the blockers, in order)
         self._streaming: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
-        self._waiters: list[asyncio.Future[None]] = []
+        self._signal = ChangeSignal()
 
     def bind(self, plane: ControlPlane) -> None:
         """Called by install_checkpointing: the data path checks retire marks in the plane."""
@@ -221,21 +222,11 @@ class ModelParticipant(Participant):
         return [call for call in self._calls.get(episode.rollout_id, {}) if call.episode == episode]
 
     def _changed(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._signal.changed()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a call changes state or admission opens or closes."""
-
-        async def check() -> None:
-            while not predicate():
-                waiter = asyncio.get_running_loop().create_future()
-                self._waiters.append(waiter)
-                await waiter
-
-        await asyncio.wait_for(check(), timeout)
+        await self._signal.wait_until(predicate, timeout)
 
     # --- the Participant interface
 

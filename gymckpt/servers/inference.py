@@ -27,6 +27,7 @@ from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotation
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from gymckpt.participants.signal import ChangeSignal
 from gymckpt.servers.base import ServerConfig, build_app
 
 if TYPE_CHECKING:
@@ -96,24 +97,14 @@ class InferenceBackend:
         #: generations abandoned because their client went away
         self.abandoned = 0
         self._serial = itertools.count()
-        self._waiters: list[asyncio.Future[None]] = []
+        self._signal = ChangeSignal()
 
     def _changed(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._signal.changed()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> None:
         """Wait until ``predicate()`` holds, re-checked whenever a generation starts or ends."""
-
-        async def check() -> None:
-            while not predicate():
-                waiter = asyncio.get_running_loop().create_future()
-                self._waiters.append(waiter)
-                await waiter
-
-        await asyncio.wait_for(check(), timeout)
+        await self._signal.wait_until(predicate, timeout)
 
     async def generate(self, request: GenerateRequest, disconnected: Callable[[], Any]) -> list[int] | None:
         """Produce the tokens one by one; None if the client went away before the end."""
