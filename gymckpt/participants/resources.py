@@ -56,7 +56,7 @@ from gymckpt.control.models import error_body
 from gymckpt.control.participant import Participant
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.errors import GymckptError, RolloutIdRequired, StaleAttempt
-from gymckpt.participants.rollout import current_episode
+from gymckpt.participants.rollout import SESSION_HEADER, current_episode
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -86,7 +86,6 @@ VERIFY_HEADER = "x-ng-checkpoint-verify"
 #: on /seed_session replies of a server that cannot capture its rollouts
 RESTART_HEADER = "x-ng-checkpoint-restart"
 #: with checkpointing off, the caller names its session with this header (the seed reply's ``session``)
-SESSION_HEADER = "x-session-id"
 
 SEED_PATH = "/seed_session"
 VERIFY_PATH = "/verify"

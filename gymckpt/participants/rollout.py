@@ -20,7 +20,11 @@ from gymckpt.participants.identity import ROLLOUT_PREFIX, EpisodeId, split_rollo
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["RolloutPrefixMiddleware", "current_episode", "episode_context"]
+__all__ = ["SESSION_HEADER", "RolloutPrefixMiddleware", "SessionHeaderMiddleware", "current_episode", "episode_context"]
+
+#: with checkpointing off there is no rollout prefix: the reference servers name the episode
+#: (their session) in this header instead
+SESSION_HEADER = "x-session-id"
 
 _CURRENT: ContextVar[EpisodeId | None] = ContextVar("gymckpt_rollout_episode", default=None)
 
@@ -64,3 +68,27 @@ class RolloutPrefixMiddleware:
             await self.app(scope, receive, send)
         finally:
             _CURRENT.reset(token)
+
+
+class SessionHeaderMiddleware:
+    """Without checkpointing: take the request's episode from ``x-session-id`` when it names one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            value = next((v for name, v in scope["headers"] if name == SESSION_HEADER.encode()), None)
+            if value is not None:
+                try:
+                    episode = EpisodeId.from_capture_key(value.decode("latin-1"))
+                except InvalidRolloutId:
+                    episode = None
+                if episode is not None:
+                    token = _CURRENT.set(episode)
+                    try:
+                        await self.app(scope, receive, send)
+                    finally:
+                        _CURRENT.reset(token)
+                    return
+        await self.app(scope, receive, send)

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings
 from gymckpt.participants.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
-from gymckpt.participants.rollout import current_episode
+from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -69,7 +69,8 @@ class Downstream:
     """Calls to other servers for an episode, on a data pool of their own.
 
     With checkpointing on, a call made for an episode (given, or the current request's)
-    goes to ``/ng-rollout/<capture key><path>``; with it off, to ``<path>`` unchanged.
+    goes to ``/ng-rollout/<capture key><path>``; with it off, to ``<path>`` unchanged with
+    the episode named in the ``x-session-id`` header, the reference servers' session.
     """
 
     def __init__(self, *, checkpointing: bool, connector_limit: int = 0) -> None:
@@ -96,9 +97,11 @@ class Downstream:
     ) -> tuple[dict[str, Any], dict[str, str]]:
         """POST JSON; return the decoded reply and its headers (lower-cased names)."""
         url = self.url(base, path, episode)
-        async with self._client().post(
-            url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-        ) as response:
+        headers = {"Content-Type": "application/json"}
+        episode = episode if episode is not None else current_episode()
+        if not self.checkpointing and episode is not None:
+            headers[SESSION_HEADER] = episode.capture_key  # no rollout prefix: name the session instead
+        async with self._client().post(url, data=orjson.dumps(body), headers=headers) as response:
             raw = await response.read()
             headers = {name.lower(): value for name, value in response.headers.items()}
             if response.status >= 400:
@@ -133,6 +136,8 @@ def build_app(
 
     app = FastAPI(title=title, lifespan=lifespan)
     plane = install_checkpointing(app, participant, config.checkpoint) if participant is not None else None
+    if not config.checkpoint.enabled:
+        app.add_middleware(SessionHeaderMiddleware)
     if plane is not None:
         closers.append(plane.close)
     return app, plane, downstream

@@ -101,18 +101,32 @@ class RolloutHarness:
     @classmethod
     def start(cls, spec: dict[str, Any], *, workdir: Path | None = None) -> RolloutHarness:
         """Open the stack's sockets and start every server."""
+        token = str((spec.get("checkpoint") or {}).get("control_auth_token", ""))
         stack = load_stack(spec, workdir=workdir)
-        stack.start()
-        return cls(stack, spec["checkpoint"]["control_auth_token"])
+        try:
+            stack.start()
+        except BaseException:
+            stack.close()
+            raise
+        return cls(stack, token)
 
     @property
     def urls(self) -> dict[str, str]:
         return self.stack.urls
 
-    def coordinator(self) -> Coordinator:
-        """A coordinator for every Gym server (call ``discover()`` before using it)."""
+    def coordinator(self, *, probe_timeout: float = 60.0) -> Coordinator:
+        """A coordinator for every Gym server (call ``discover()`` before using it).
+
+        The probe timeout is long: a server just restarted behind its kept socket accepts
+        connections at once but answers only when its process has started.
+        """
         options = self.stack.servers["environment"].config.get("checkpoint", {}).get("storage_options")
-        return Coordinator([self.urls[name] for name in self.gym_servers], token=self.token, storage_options=options)
+        return Coordinator(
+            [self.urls[name] for name in self.gym_servers],
+            token=self.token,
+            storage_options=options,
+            probe_timeout=probe_timeout,
+        )
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

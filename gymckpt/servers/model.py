@@ -5,7 +5,9 @@ of the request's ``input`` (sorted keys, no spaces) and the seed is
 ``int(sha256(prompt)[:8], 16)``; the server asks the inference backend for ``max_tokens``
 tokens. While the conversation holds fewer tool results than ``tool_turns`` and tools are
 offered, the answer is a ``function_call`` of the first tool with arguments
-``{"n": tokens[0] % 5 + 1}``; otherwise a final message ``"answer " + tokens[:4]``. The
+``{"n": tokens[0] % 5 + 1}`` (``{"city": …}`` for ``get_weather``); otherwise a final
+message ``"answer " + tokens[:4]`` (followed by ``": <forecast>"`` after a ``get_weather``
+result, so a weather rollout's answer names its forecast). The
 reply's ids derive from the prompt too, so the same input always gives the same reply,
 with checkpointing on or off.
 
@@ -102,22 +104,50 @@ def _tool_name(tool: dict[str, Any]) -> str:
     return str(name)
 
 
+#: cities the policy asks a ``get_weather`` tool about
+CITIES = ("Paris", "Lagos", "Lima", "Oslo", "Hanoi")
+
+
+def _tool_arguments(name: str, tokens: list[int]) -> dict[str, Any]:
+    if name == "get_weather":
+        return {"city": CITIES[tokens[0] % len(CITIES)]}
+    return {"n": tokens[0] % 5 + 1}
+
+
+def _last_forecast(items: list[dict[str, Any]]) -> str:
+    """The forecast of the conversation's last ``get_weather`` result, if any."""
+    for item in reversed(items):
+        if (item.get("role") == "tool" or item.get("type") == "function_call_output") and item.get(
+            "name"
+        ) == "get_weather":
+            content = item.get("content", item.get("output", ""))
+            try:
+                decoded = json.loads(content) if isinstance(content, str) else content
+            except ValueError:
+                return str(content)
+            return str(decoded.get("forecast", "")) if isinstance(decoded, dict) else str(decoded)
+    return ""
+
+
 def policy_reply(request: ResponsesRequest, tokens: list[int], *, tool_turns: int) -> dict[str, Any]:
     """The reply of the deterministic policy to ``request`` given the backend's ``tokens``."""
     items = request.items()
     digest = hashlib.sha256(canonical_prompt(items).encode()).hexdigest()
     if request.tools and tool_results(items) < tool_turns:
+        name = _tool_name(request.tools[0])
         item: dict[str, Any] = {
             "type": "function_call",
-            "name": _tool_name(request.tools[0]),
-            "arguments": json.dumps({"n": tokens[0] % 5 + 1}),
+            "name": name,
+            "arguments": json.dumps(_tool_arguments(name, tokens)),
             "call_id": f"call_{digest[:16]}",
         }
     else:
+        text = "answer " + " ".join(map(str, tokens[:4]))
+        forecast = _last_forecast(items)
         item = {
             "type": "message",
             "role": "assistant",
-            "content": [{"type": "output_text", "text": "answer " + " ".join(map(str, tokens[:4]))}],
+            "content": [{"type": "output_text", "text": f"{text}: {forecast}" if forecast else text}],
         }
     return {
         "id": f"resp_{digest[:24]}",

@@ -100,16 +100,24 @@ class ServerProcess:
         finally:
             log.close()
 
+    def signal_kill(self) -> None:
+        """SIGKILL the server's whole process group (reap it with :meth:`reap`)."""
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def reap(self, timeout: float = 30.0) -> None:
+        """Wait for a killed server's process to be gone."""
+        if self.process is not None:
+            self.process.wait(timeout=timeout)
+            self.process = None
+
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL the server's whole process group and reap it."""
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=timeout)
-        self.process = None
+        self.signal_kill()
+        self.reap(timeout)
 
     @property
     def alive(self) -> bool:
@@ -135,9 +143,16 @@ class Stack:
                 server.start(self.workdir)
 
     def kill(self, names: list[str] | None = None) -> None:
-        """SIGKILL the named servers' process groups (all by default); their sockets stay open."""
-        for name in names or list(self.servers):
-            self.servers[name].kill()
+        """SIGKILL the named servers' process groups at once (all by default); their sockets stay open.
+
+        Every group is signalled before any is reaped, so no server outlives another and
+        answers for it: a node failure takes them all at the same moment.
+        """
+        chosen = [self.servers[name] for name in names or list(self.servers)]
+        for server in chosen:
+            server.signal_kill()
+        for server in chosen:
+            server.reap()
 
     def close(self) -> None:
         """Kill every server and close the sockets."""
