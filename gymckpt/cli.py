@@ -75,7 +75,9 @@ def main() -> None:
     \b
     gymckpt verify ./checkpoints/ckpt-7        check a checkpoint offline
     gymckpt inspect ./checkpoints/ckpt-7       list its participants
-    gymckpt demo                               write, verify and restore a sample checkpoint
+    gymckpt demo                               checkpoint in-flight rollouts, crash, restore, continue
+    gymckpt serve KIND --port N                run one reference server
+    gymckpt stack up STACK.yaml                run a whole stack of them
     """
 
 
@@ -363,6 +365,7 @@ def stack_up(stack_file: str) -> None:
 
 
 @main.command("demo")
+@click.option("--rollouts", default=64, show_default=True, type=click.IntRange(1, 100_000), help="Concurrent rollouts.")
 @click.option(
     "--store",
     "store_url",
@@ -370,18 +373,40 @@ def stack_up(stack_file: str) -> None:
     show_default=True,
     help="Store root (path or URL), or 's3' for an S3 endpoint the demo serves itself (moto, no account).",
 )
-@click.option("--episodes", default=64, show_default=True, help="Rollouts per participant.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the generated rollouts.")
-def demo_command(store_url: str, episodes: int, seed: int) -> None:
-    """Write a checkpoint of four participants, publish, verify it offline, restore one scope."""
-    from gymckpt.demo import run_s3_demo, run_store_demo
+@click.option("--keep", is_flag=True, help="Leave the restarted stack running; print its URLs and how to stop it.")
+@click.option("--seed", default=0, show_default=True, help="Chooses the tasks (the same seed, the same results).")
+@click.option(
+    "--store-only", is_flag=True, help="Only the store: write four participants' generated records, no servers."
+)
+@click.option("--episodes", default=64, show_default=True, help="With --store-only: records per participant.")
+def demo_command(rollouts: int, store_url: str, keep: bool, seed: int, store_only: bool, episodes: int) -> None:
+    """Checkpoint rollouts in flight, kill every server, restore, continue, verify.
 
+    \b
+    Starts the reference stack as real processes on loopback and runs the tasks once
+    uninterrupted; then, on a fresh stack, starts the rollouts, checkpoints the ones in
+    flight once about half have finished, SIGKILLs every server, restarts them, restores,
+    continues each exported rollout, compares every result with the uninterrupted run,
+    verifies the checkpoint offline and prints a table.
+    Exit status: 0 success, 1 a rollout lost, a result different or a damaged
+    checkpoint, 2 setup failure.
+    """
+    from gymckpt.demo import run_demo, run_s3_demo, run_s3_store_demo, run_store_demo
+
+    if store_only:
+        if store_url == "s3":
+            try:
+                sys.exit(run_s3_store_demo(episodes=episodes, seed=seed, console=_stdout))
+            except GymckptError as exc:
+                _fail(str(exc))
+        sys.exit(run_store_demo(store_url, episodes=episodes, seed=seed, console=_stdout))
     if store_url == "s3":
-        try:
-            sys.exit(run_s3_demo(episodes=episodes, seed=seed, console=_stdout))
-        except GymckptError as exc:
-            _fail(str(exc))
-    sys.exit(run_store_demo(store_url, episodes=episodes, seed=seed, console=_stdout))
+        outcome = run_s3_demo(rollouts=rollouts, keep=keep, seed=seed, console=_stdout, progress_console=_stderr)
+    else:
+        outcome = run_demo(
+            rollouts=rollouts, store_url=store_url, keep=keep, seed=seed, console=_stdout, progress_console=_stderr
+        )
+    sys.exit(outcome.exit_code)
 
 
 if __name__ == "__main__":  # pragma: no cover

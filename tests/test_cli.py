@@ -431,7 +431,7 @@ def test_real_process_verify_and_inspect(root: Path) -> None:
 
 def test_real_process_demo_writes_a_checkpoint_that_verifies(tmp_path: Path) -> None:
     store_root = tmp_path / "demo-store"
-    demo = run_process("demo", "--store", str(store_root), "--episodes", "24", "--seed", "5")
+    demo = run_process("demo", "--store-only", "--store", str(store_root), "--episodes", "24", "--seed", "5")
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert b"identical to what was committed" in b" ".join(demo.stdout.split())
 
@@ -449,7 +449,7 @@ def test_real_process_demo_writes_a_checkpoint_that_verifies(tmp_path: Path) -> 
 
 def test_sha256sum_agrees_with_every_records_file_name(root: Path, tmp_path: Path) -> None:
     commit(root, "ck-8")
-    demo = run_process("demo", "--store", str(root), "--episodes", "8")
+    demo = run_process("demo", "--store-only", "--store", str(root), "--episodes", "8")
     assert demo.returncode == 0, demo.stderr
     files = sorted(root.rglob("records-*.jsonl"))
     assert len(files) == 2 + 2 + 4

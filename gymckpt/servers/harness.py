@@ -130,7 +130,10 @@ class RolloutHarness:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+            # no connection limit: every rollout's /run is in flight at once, as a trainer's are
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
+            )
         return self._session
 
     async def run(self, episode_id: str, task: dict[str, Any]) -> dict[str, Any]:

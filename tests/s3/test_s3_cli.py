@@ -116,7 +116,7 @@ def test_inspect_lists_and_dumps(checkpoint: dict[str, Any], moto_endpoint: Moto
 
 
 def test_demo_with_an_embedded_s3_endpoint() -> None:
-    result = gymckpt("demo", "--store", "s3", "--episodes", "16")
+    result = gymckpt("demo", "--store-only", "--store", "s3", "--episodes", "16")
     assert result.returncode == 0, (result.stdout, result.stderr)
     assert "embedded S3 endpoint (moto) at http://127.0.0.1:" in result.stdout
     assert "s3://gymckpt-demo/checkpoints" in result.stdout

@@ -1,0 +1,237 @@
+"""What ``gymckpt demo`` found, and how it is printed: the outcome, the comparison, the table."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from rich.console import Console
+
+    from gymckpt.store.verify import VerifyReport
+
+__all__ = ["EXIT_DIFFERS", "EXIT_OK", "EXIT_SETUP", "DemoOutcome", "Progress", "compare_results", "render"]
+
+#: exit codes of the demo: success, a rollout lost or a result different, a setup failure
+EXIT_OK, EXIT_DIFFERS, EXIT_SETUP = 0, 1, 2
+
+
+class Progress:
+    """Progress lines as phases happen, each with the seconds since the demo began."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.began = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.began
+        self.console.print(f"[dim]{elapsed:6.1f}s[/] {message}", highlight=False)
+
+
+@dataclass
+class DemoOutcome:
+    """Everything one demo run did and measured (numbers stay 0 or None for phases not reached)."""
+
+    rollouts: int
+    store_url: str
+    checkpoint_id: str = ""
+    checkpoint_dir: str = ""
+    #: rollout ids by what happened to them
+    finished_before: list[str] = field(default_factory=list)
+    exported: list[str] = field(default_factory=list)
+    continued: list[str] = field(default_factory=list)
+    restarted: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    differing: list[str] = field(default_factory=list)
+    #: rollouts in the commit scope that were never exported and started over (late to the checkpoint)
+    uncaptured: list[str] = field(default_factory=list)
+    #: the prepare report's restarts: rollouts some server cannot capture
+    restarts_reported: list[str] = field(default_factory=list)
+    mean_reward: float | None = None
+    reference_mean_reward: float | None = None
+    uninterrupted_seconds: float = 0.0
+    launch_seconds: float = 0.0
+    peak_in_flight: int = 0
+    prepare_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    restart_seconds: float = 0.0
+    restore_seconds: float = 0.0
+    continue_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    #: records bytes per participant (``kind/instance``), and their records
+    bytes_by_participant: dict[str, int] = field(default_factory=dict)
+    records_by_participant: dict[str, int] = field(default_factory=dict)
+    #: where the exported rollouts stood at the checkpoint (label → count)
+    stages: dict[str, int] = field(default_factory=dict)
+    model_calls_before_crash: int = 0
+    model_calls_redone: int = 0
+    verify_report: VerifyReport | None = None
+    #: every server process the demo started (both stacks, restarts included)
+    server_pids: list[int] = field(default_factory=list)
+    kept_urls: dict[str, str] = field(default_factory=dict)
+    embedded_endpoint: str = ""
+    logs_dir: str = ""
+    error: str = ""
+    exit_code: int = EXIT_OK
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(self.bytes_by_participant.values())
+
+    @property
+    def records_written(self) -> int:
+        return sum(self.records_by_participant.values())
+
+    @property
+    def verified(self) -> bool:
+        return self.verify_report is not None and self.verify_report.ok
+
+
+def result_of(reply: Any) -> dict[str, Any] | None:
+    """The ``result`` of a ``/run`` reply, None for a failure, an error or no reply."""
+    if isinstance(reply, dict) and isinstance(reply.get("result"), dict) and reply.get("status", 200) == 200:
+        return reply["result"]  # type: ignore[no-any-return]
+    return None
+
+
+def compare_results(
+    reference: Mapping[str, dict[str, Any] | None], final: Mapping[str, dict[str, Any] | None]
+) -> tuple[list[str], list[str]]:
+    """``(lost, differing)``: rollouts without a result, and those whose result (reward and
+    response) is not the uninterrupted run's."""
+    lost = sorted(rollout for rollout in reference if final.get(rollout) is None)
+    differing = sorted(
+        rollout
+        for rollout, expected in reference.items()
+        if final.get(rollout) is not None and (expected is None or _key_fields(final[rollout]) != _key_fields(expected))  # type: ignore[arg-type]
+    )
+    return lost, differing
+
+
+def _key_fields(result: dict[str, Any]) -> tuple[Any, Any]:
+    return result.get("reward"), result.get("response")
+
+
+def mean_reward(results: Iterable[dict[str, Any] | None]) -> float | None:
+    rewards = [float(result["reward"]) for result in results if result is not None and result.get("reward") is not None]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
+def stage_label(environment_record: Mapping[str, Any] | None, agent_record: Mapping[str, Any] | None) -> str:
+    """Where an exported rollout stood, from its environment boundary and its agent session."""
+    boundary = (environment_record or {}).get("boundary")
+    if not isinstance(boundary, dict):
+        return "not started"
+    stage = boundary.get("stage")
+    if stage == "invoke_agent":
+        messages = ((agent_record or {}).get("boundary") or {}).get("messages")
+        if isinstance(messages, list):
+            tools = sum(1 for message in messages if isinstance(message, dict) and message.get("role") == "tool")
+            return f"agent turn {tools + 1}"
+        return "agent"
+    if stage in ("close_agent", "verify"):
+        return "verifying"
+    if stage == "done":
+        return "verified"
+    return str(stage)
+
+
+def stage_summary(stages: Mapping[str, int]) -> str:
+    order = ["not started", *(f"agent turn {n}" for n in range(1, 100)), "agent", "verifying", "verified"]
+    ranked = sorted(stages.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+    return ", ".join(f"{label}: {count}" for label, count in ranked)
+
+
+def count_stages(labels: Iterable[str]) -> dict[str, int]:
+    return dict(Counter(labels))
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def _reward(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
+
+
+def render(outcome: DemoOutcome, console: Console) -> None:
+    """The table, then where the checkpoint lies and how to check it."""
+    table = Table(
+        title=f"gymckpt demo: {outcome.rollouts} rollout{'' if outcome.rollouts == 1 else 's'}, checkpoint {outcome.checkpoint_id or '–'}"
+    )
+    table.show_header = False
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("note", style="dim")
+    table.add_row("finished before the checkpoint", str(len(outcome.finished_before)), "")
+    table.add_row("exported", str(len(outcome.exported)), "in flight at the checkpoint")
+    table.add_row("continued", str(len(outcome.continued)), "from their last boundary")
+    restarted_note = "started over from their input"
+    if outcome.uncaptured:
+        restarted_note += f"; {len(outcome.uncaptured)} came after the export"
+    table.add_row("restarted", str(len(outcome.restarted)), restarted_note)
+    table.add_row("lost", _bad(len(outcome.lost)), _some(outcome.lost))
+    table.add_row(
+        "results differing", _bad(len(outcome.differing)), _some(outcome.differing) or "from the uninterrupted run"
+    )
+    table.add_row(
+        "mean reward", _reward(outcome.mean_reward), f"uninterrupted run: {_reward(outcome.reference_mean_reward)}"
+    )
+    table.add_row("prepare seconds", _seconds(outcome.prepare_seconds), "")
+    table.add_row("commit seconds", _seconds(outcome.commit_seconds), "every participant at once")
+    table.add_row("restore seconds", _seconds(outcome.restore_seconds), "")
+    table.add_row("restart seconds", _seconds(outcome.restart_seconds), "SIGKILL until all answer")
+    table.add_row(
+        "bytes written",
+        f"{outcome.bytes_written:,}",
+        f"{outcome.records_written} records, {len(outcome.bytes_by_participant)} participants",
+    )
+    table.add_row(
+        "model calls redone",
+        str(outcome.model_calls_redone),
+        f"of {outcome.model_calls_before_crash}: held, undelivered",
+    )
+    report = outcome.verify_report
+    if report is None:
+        table.add_row("verify", "–", "not reached")
+    else:
+        table.add_row(
+            "verify",
+            "OK" if report.ok else "[red]DAMAGED[/]",
+            f"{report.records_checked} records re-hashed"
+            + (f", {len(report.warnings)} warnings" if report.warnings else "")
+            if report.ok
+            else f"{len(report.errors)} errors, {len(report.warnings)} warnings",
+        )
+    table.add_row("total seconds", f"{outcome.total_seconds:.1f}", "")
+    console.print(table)
+
+    if outcome.checkpoint_dir:
+        console.print(f"checkpoint: {outcome.checkpoint_dir}", highlight=False)
+        if outcome.embedded_endpoint:
+            console.print(
+                f"it lived on the embedded S3 endpoint {outcome.embedded_endpoint}, which stops with the demo; "
+                "against your own bucket: gymckpt verify s3://BUCKET/PREFIX/CHECKPOINT --endpoint-url URL",
+                highlight=False,
+            )
+        else:
+            console.print(f"check it yourself: gymckpt verify {outcome.checkpoint_dir}", highlight=False)
+    if outcome.error:
+        console.print(f"[bold red]demo failed:[/] {outcome.error}", highlight=False)
+    if outcome.logs_dir and (outcome.exit_code != EXIT_OK or outcome.kept_urls):
+        console.print(f"server logs: {outcome.logs_dir}", highlight=False)
+
+
+def _bad(count: int) -> str:
+    return f"[red]{count}[/]" if count else "0"
+
+
+def _some(keys: list[str], limit: int = 4) -> str:
+    return ", ".join(keys[:limit]) + (" …" if len(keys) > limit else "")

@@ -1,0 +1,179 @@
+"""``gymckpt demo`` (D2): a small demo end to end, through the Python API and as a real process.
+
+Each full run starts the reference stack twice (the uninterrupted run, then the demo's own
+stack) and restarts it once, so each takes several seconds on two cores.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from gymckpt.demo import run_demo
+from gymckpt.demo_report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, compare_results
+from gymckpt.store import verify
+
+ROLLOUTS = 8
+
+
+def console() -> tuple[Console, io.StringIO]:
+    buffer = io.StringIO()
+    return Console(file=buffer, width=200, color_system=None), buffer
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # each server ran in a process group of its own
+
+
+def table_value(text: str, row: str) -> str:
+    match = re.search(rf"│ {re.escape(row)}\s*│\s*(\S+)\s*│", text)
+    assert match is not None, f"no row {row!r} in\n{text}"
+    return match.group(1)
+
+
+def test_demo_checkpoints_kills_restores_and_continues(tmp_path: Path) -> None:
+    out, table = console()
+    progress, lines = console()
+    outcome = run_demo(
+        rollouts=ROLLOUTS,
+        store_url=str(tmp_path / "ckpts"),
+        console=out,
+        progress_console=progress,
+        logs_dir=tmp_path,
+    )
+
+    assert outcome.exit_code == EXIT_OK, (outcome.error, lines.getvalue(), table.getvalue())
+    assert outcome.lost == [] and outcome.differing == []
+    # every rollout ended exactly one way: finished before the checkpoint, continued, or restarted
+    finished, continued, restarted = set(outcome.finished_before), set(outcome.continued), set(outcome.restarted)
+    assert len(finished) + len(continued) + len(restarted) == ROLLOUTS
+    assert finished | continued | restarted == {f"{i}-0" for i in range(ROLLOUTS)}
+    assert outcome.continued == outcome.exported
+    # the checkpoint was taken once half had finished: the others were in flight (a few may end during it)
+    assert len(outcome.finished_before) >= ROLLOUTS // 2
+    assert 1 <= len(outcome.exported) <= ROLLOUTS - ROLLOUTS // 2
+    assert outcome.mean_reward == outcome.reference_mean_reward == 1.0
+    assert outcome.prepare_seconds > 0 and outcome.commit_seconds > 0 and outcome.restore_seconds > 0
+    assert outcome.bytes_written > 0
+    assert outcome.records_by_participant["environment/environment"] == len(outcome.exported)
+
+    # the table and the progress lines
+    text = table.getvalue()
+    assert table_value(text, "finished before the checkpoint") == str(len(outcome.finished_before))
+    assert table_value(text, "exported") == str(len(outcome.exported))
+    assert table_value(text, "continued") == str(len(outcome.continued))
+    assert table_value(text, "lost") == "0"
+    assert table_value(text, "results differing") == "0"
+    assert table_value(text, "bytes written") == f"{outcome.bytes_written:,}"
+    assert table_value(text, "verify") == "OK"
+    assert f"check it yourself: gymckpt verify {outcome.checkpoint_dir}" in text
+    for phase in ("uninterrupted run", "checkpoint", "SIGKILL", "restored", "continued", "verify"):
+        assert phase in lines.getvalue()
+
+    # the checkpoint lies under the store root and verifies offline, published and clean
+    assert outcome.checkpoint_dir.startswith(str(tmp_path / "ckpts"))
+    report = verify(outcome.checkpoint_dir)
+    assert report.ok and report.findings == []
+    assert len(report.participants) == 4
+    assert (tmp_path / "ckpts" / outcome.checkpoint_id / "gym" / "checkpoint.json").is_file()
+
+    assert outcome.logs_dir == ""  # a clean run removes the servers' configs and logs
+    assert [path.name for path in tmp_path.iterdir()] == ["ckpts"]
+    # no server outlives the demo: both stacks, and the restarted processes
+    assert len(outcome.server_pids) == 5 + 5 + 4
+    assert_gone(outcome.server_pids)
+
+
+def test_demo_as_a_process(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    result = subprocess.run(
+        [sys.executable, "-m", "gymckpt", "demo", "--rollouts", str(ROLLOUTS), "--store", str(store)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+        check=False,
+    )
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    finished = int(table_value(result.stdout, "finished before the checkpoint"))
+    continued = int(table_value(result.stdout, "continued"))
+    restarted = int(table_value(result.stdout, "restarted"))
+    assert finished + continued + restarted == ROLLOUTS
+    assert table_value(result.stdout, "lost") == "0"
+    assert table_value(result.stdout, "results differing") == "0"
+    assert "SIGKILL" in result.stderr
+    (checkpoint,) = [path for path in store.iterdir() if path.name.startswith("demo-")]
+    assert f"gymckpt verify {checkpoint}" in result.stdout
+    checked = subprocess.run(
+        [sys.executable, "-m", "gymckpt", "verify", str(checkpoint)], capture_output=True, timeout=60, check=False
+    )
+    assert checked.returncode == 0, checked.stdout
+
+
+def test_a_store_root_that_cannot_hold_checkpoints_is_a_setup_failure(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out, table = console()
+    outcome = run_demo(rollouts=2, store_url=str(blocker / "ckpts"), console=out, logs_dir=tmp_path)
+    assert outcome.exit_code == EXIT_SETUP
+    assert "cannot create the store root" in table.getvalue()
+    assert outcome.server_pids == []
+    assert outcome.logs_dir == ""  # no stack was started
+
+
+def test_a_lost_or_different_result_is_found() -> None:
+    reference = {"0-0": {"reward": 1.0, "response": "answer 1"}, "1-0": {"reward": 1.0, "response": "answer 2"}}
+    assert compare_results(reference, dict(reference)) == ([], [])
+    assert compare_results(reference, {"0-0": reference["0-0"]}) == (["1-0"], [])
+    assert compare_results(reference, {**reference, "1-0": {"reward": 0.0, "response": "answer 2"}}) == ([], ["1-0"])
+    assert compare_results(reference, {**reference, "0-0": {"reward": 1.0, "response": "other"}}) == ([], ["0-0"])
+    assert EXIT_DIFFERS == 1
+
+
+def test_demo_with_an_embedded_s3_endpoint(tmp_path: Path) -> None:
+    pytest.importorskip("moto")
+    from gymckpt.demo import run_s3_demo
+
+    out, table = console()
+    outcome = run_s3_demo(rollouts=ROLLOUTS, console=out, logs_dir=tmp_path)
+    assert outcome.exit_code == EXIT_OK, (outcome.error, table.getvalue())
+    assert outcome.checkpoint_dir.startswith("s3://gymckpt-demo/checkpoints/demo-")
+    assert outcome.lost == [] and outcome.differing == []
+    assert outcome.verified
+    assert "embedded S3 endpoint" in table.getvalue()
+    assert_gone(outcome.server_pids)
+
+
+def test_a_continued_result_that_differs_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gymckpt import demo
+
+    original = demo._Demo._continue
+
+    async def tampered(self: demo._Demo, *args: object) -> dict[str, object]:
+        results = await original(self, *args)
+        first = sorted(results)[0]
+        results[first] = {**results[first], "reward": 0.0}  # type: ignore[dict-item]
+        return results
+
+    monkeypatch.setattr(demo._Demo, "_continue", tampered)
+    out, table = console()
+    outcome = run_demo(rollouts=4, store_url=str(tmp_path / "ckpts"), console=out, logs_dir=tmp_path)
+    assert outcome.exit_code == EXIT_DIFFERS
+    assert len(outcome.differing) == 1
+    assert table_value(table.getvalue(), "results differing") == "1"
+    assert "demo failed: 1 result differs" in table.getvalue()
+    assert outcome.verified  # the checkpoint itself is fine
+    assert outcome.logs_dir.startswith(str(tmp_path))  # kept for a failed demo
+    assert (Path(outcome.logs_dir) / "demo" / "environment.log").is_file()
+    assert_gone(outcome.server_pids)
