@@ -26,7 +26,11 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
     │   ├── InvalidRolloutId (ValueError)        400 invalid_rollout_id
     │   │   └── RolloutAttemptConflict           "<id>-aN" given with an attempt index
     │   ├── CheckpointDirNotAllowed              403 checkpoint_dir_not_allowed (allowed_roots)
+    │   ├── SessionBusy                          409 session_busy: an agent session already runs
     │   └── Unauthorized                         401 unauthorized
+    ├── AgentError                               502 agent_error: a turn loop that cannot go on
+    ├── AgentRequestError                        400 invalid_agent_request
+    ├── RestoredInputMismatch                    409 restored_input_mismatch
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -50,6 +54,8 @@ from __future__ import annotations
 
 __all__ = [
     "AdmissionClosed",
+    "AgentError",
+    "AgentRequestError",
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
     "CheckpointIndexInvalid",
@@ -77,8 +83,10 @@ __all__ = [
     "RecordsPathEscapes",
     "RecordsSizeMismatch",
     "RestartInScope",
+    "RestoredInputMismatch",
     "RolloutAttemptConflict",
     "RolloutIdRequired",
+    "SessionBusy",
     "StaleAttempt",
     "StaleCheckpoint",
     "StorageError",
@@ -219,6 +227,33 @@ class RolloutAttemptConflict(InvalidRolloutId):
 class CheckpointDirNotAllowed(ControlError):
     code = "checkpoint_dir_not_allowed"
     status = 403
+
+
+class SessionBusy(ControlError):
+    """409 ``session_busy``: the session already runs an activation (or is of the other kind)."""
+
+    code = "session_busy"
+
+
+class AgentError(GymckptError):
+    """502 ``agent_error``: a turn loop that cannot go on (a malformed model reply or tool call)."""
+
+    code = "agent_error"
+    status = 502
+
+
+class AgentRequestError(GymckptError):
+    """400 ``invalid_agent_request``: a request the agent cannot serve (bad input, no resources server)."""
+
+    code = "invalid_agent_request"
+    status = 400
+
+
+class RestoredInputMismatch(GymckptError):
+    """409 ``restored_input_mismatch``: a legacy run's replacement attempt brought another input."""
+
+    code = "restored_input_mismatch"
+    status = 409
 
 
 class Unauthorized(ControlError):

@@ -45,7 +45,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from gymckpt.control.marks import split_capture_key
-from gymckpt.errors import ControlError, RolloutIdRequired, StaleAttempt
+from gymckpt.errors import RolloutIdRequired, SessionBusy, StaleAttempt
 from gymckpt.participants.identity import EpisodeId
 from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeEnded, EpisodeRegistry, StepMode
@@ -65,7 +65,6 @@ __all__ = [
     "AgentSessionParticipant",
     "PlainActivation",
     "RestartOnlyAgentParticipant",
-    "SessionBusy",
     "agent_participant",
     "has_session_hooks",
     "materialize",
@@ -81,12 +80,6 @@ SESSION = "session"
 RUN = "run"
 #: the session hooks an agent implements to be checkpointed (all three, all coroutines)
 HOOKS = ("export_agent_sessions", "restore_agent_sessions", "retire_agent_session")
-
-
-class SessionBusy(ControlError):
-    """409 ``session_busy``: the session already runs an activation (or is of the other kind)."""
-
-    code = "session_busy"
 
 
 @runtime_checkable

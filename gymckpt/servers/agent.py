@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gymckpt.control.models import error_body
-from gymckpt.errors import GymckptError, InvalidRolloutId
+from gymckpt.errors import AgentError, AgentRequestError, GymckptError, InvalidRolloutId, RestoredInputMismatch
 from gymckpt.participants.agent import (
     RUN,
     AgentSessionParticipant,
@@ -87,27 +87,6 @@ class AgentConfig(ServerConfig):
     model: str = "gymckpt-policy"
     #: the participant's instance name
     instance: str = "agent-0"
-
-
-class AgentError(GymckptError):
-    """502 ``agent_error``: a turn loop that cannot go on (a malformed model reply or tool call)."""
-
-    code = "agent_error"
-    status = 502
-
-
-class AgentRequestError(GymckptError):
-    """400 ``invalid_agent_request``: a request the agent cannot serve (bad input, no resources server)."""
-
-    code = "invalid_agent_request"
-    status = 400
-
-
-class RestoredInputMismatch(GymckptError):
-    """409 ``restored_input_mismatch``: a legacy run's replacement attempt brought another input."""
-
-    code = "restored_input_mismatch"
-    status = 409
 
 
 class ResponsesBody(BaseModel):

@@ -452,6 +452,7 @@ WIRE = {
     errors.InvalidRolloutId: ("invalid_rollout_id", 400),
     errors.RolloutAttemptConflict: ("invalid_rollout_id", 400),
     errors.CheckpointDirNotAllowed: ("checkpoint_dir_not_allowed", 403),
+    errors.SessionBusy: ("session_busy", 409),
     errors.Unauthorized: ("unauthorized", 401),
 }
 OTHER = {
