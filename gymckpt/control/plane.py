@@ -35,6 +35,7 @@ from gymckpt.errors import (
     ExportFailed,
     GymckptError,
     InvalidPhase,
+    InvalidRolloutId,
     RestartInScope,
     StaleCheckpoint,
     UnsupportedStorage,
@@ -61,6 +62,8 @@ logger = logging.getLogger("gymckpt.control")
 REMEMBERED_CHECKPOINTS = 64
 LEASE_RETRY_SECONDS = 30.0
 MAX_BLOCKERS = 100
+#: how long a prepare waits for admission to close even when its deadline has passed
+CLOSE_GRACE_SECONDS = 5.0
 
 
 @dataclass
@@ -234,13 +237,16 @@ class ControlPlane:
             checkpoint = self._open = _Checkpoint(request.checkpoint_id)
             self.phase = Phase.PREPARING
             self._extend_lease(request.deadline_ts)
-            checkpoint.closing = asyncio.create_task(self._close_admission(checkpoint), name="gymckpt-close")
+            checkpoint.closing = _spawn(self._close_admission(checkpoint), "gymckpt-close")
         else:
             checkpoint = self._open
             self._extend_lease(max(request.deadline_ts, (self.lease_expires_at or 0) - self.lease_grace_seconds))
         assert checkpoint.closing is not None
-        # a retried prepare waits for the first one's close: ready means nothing while admission is open
-        await self._within(request.deadline_ts, asyncio.shield(checkpoint.closing), "closing admission")
+        # a retried prepare waits for the first one's close: ready means nothing while admission is open.
+        # Closing is not deadline-limited work (a prepare past its deadline still closes and
+        # reports), but a close that hangs is bounded by the grace below.
+        closing_deadline = max(request.deadline_ts, self.clock() + CLOSE_GRACE_SECONDS)
+        await self._within(closing_deadline, asyncio.shield(checkpoint.closing), "closing admission")
         if self.phase is Phase.PREPARING:
             await self._wait_ready(request.deadline_ts)
             if self.participant.ready() and self.phase is Phase.PREPARING:
@@ -305,7 +311,7 @@ class ControlPlane:
                 self._check_commit_start(checkpoint, request)
             store = self._store_for(request.checkpoint_dir)
             checkpoint.commit_args = args
-            task = asyncio.create_task(self._run_commit(checkpoint, store, list(args[1])), name="gymckpt-commit")
+            task = _spawn(self._run_commit(checkpoint, store, list(args[1])), "gymckpt-commit")
             checkpoint.commit_task = task
         return await self._within(request.deadline_ts, asyncio.shield(task), "the commit")
 
@@ -324,7 +330,7 @@ class ControlPlane:
 
     async def _run_commit(self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str]) -> CommitReply:
         if checkpoint.export_task is None:
-            checkpoint.export_task = asyncio.create_task(self._export(scope), name="gymckpt-export")
+            checkpoint.export_task = _spawn(self._export(scope), "gymckpt-export")
         try:
             records = await checkpoint.export_task
         except asyncio.CancelledError:
@@ -435,7 +441,7 @@ class ControlPlane:
         group = frozenset(keys)
         task = self._retire_tasks.get(group)
         if task is None or task.done():
-            task = asyncio.create_task(self.participant.retire(keys), name="gymckpt-retire")
+            task = _spawn(self.participant.retire(keys), "gymckpt-retire")
             self._retire_tasks[group] = task
             task.add_done_callback(lambda done, group=group: self._retire_tasks.pop(group, None))
         await self._within(request.deadline_ts, asyncio.shield(task), "the retire")
@@ -451,6 +457,7 @@ class ControlPlane:
     async def restore(self, request: RestoreRequest) -> RestoreReply:
         """Read, verify and install the scoped records under their next attempt (C10)."""
         self._loop = asyncio.get_running_loop()
+        self._check_not_stale(request.checkpoint_id)
         args = (request.checkpoint_dir, tuple(sorted(set(request.episode_ids))))
         previous = self._restore
         if previous is not None and previous.checkpoint_id == request.checkpoint_id and not previous.task.done():
@@ -467,14 +474,21 @@ class ControlPlane:
             await self._within(request.deadline_ts, _settled(previous.task), "the previous restore's install")
         if not self._fresh or self._open is not None or self.phase is not Phase.IDLE:
             raise InvalidPhase("restore runs only in a fresh process, before any checkpoint")
+        rollouts: dict[str, str] = {}
+        for key in args[1]:
+            rollout, attempt = split_capture_key(key)
+            if rollout in rollouts:
+                raise InvalidRolloutId(
+                    f"the restore scope names rollout {rollout!r} twice ({rollouts[rollout]!r}, {key!r})"
+                )
+            rollouts[rollout] = key
+            self.marks.check(capture_key(rollout, attempt + 1))  # its replacement must be allowed to run
         store = self._store_for(request.checkpoint_dir)
         for key in args[1]:
             self.marks.mark(key)  # the captured attempt is replaced by the next one: refuse it from now on
         self.phase = Phase.RESTORED
         self._extend_lease(request.deadline_ts)
-        task = asyncio.create_task(
-            self._run_restore(request.checkpoint_id, store, list(args[1])), name="gymckpt-restore"
-        )
+        task = _spawn(self._run_restore(request.checkpoint_id, store, list(args[1])), "gymckpt-restore")
         self._restore = _Restore(request.checkpoint_id, args, task)
         return await self._within(request.deadline_ts, asyncio.shield(task), "the restore")
 
@@ -543,9 +557,19 @@ class ControlPlane:
 
 
 async def _settled(task: asyncio.Task[Any]) -> None:
-    """Wait for ``task`` without cancelling it and without raising its outcome."""
-    with contextlib.suppress(Exception, asyncio.CancelledError):
-        await asyncio.shield(task)
+    """Wait for ``task`` to end without cancelling it and without raising its outcome.
+
+    Cancelling the waiter (a deadline) still cancels the wait: ``asyncio.wait`` neither
+    swallows that nor passes it on to ``task``.
+    """
+    await asyncio.wait({task})
+
+
+def _spawn(coroutine: Any, name: str) -> asyncio.Task[Any]:
+    """A task whose failure is always retrieved: its callers may have given up waiting."""
+    task = asyncio.create_task(coroutine, name=name)
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return task
 
 
 def _succeeded(task: asyncio.Task[Any]) -> bool:
