@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import subprocess
@@ -20,7 +19,7 @@ from gymckpt.cli import main
 from gymckpt.store import open_store, verify
 from gymckpt.store.codec import decode_line
 from gymckpt.store.manifest import RECORDS_NAME_PATTERN
-from gymckpt.store.testing import sample_records
+from gymckpt.store.testing import assert_identical, sample_records
 
 GYMCKPT = Path(sys.executable).parent / "gymckpt"
 #: the width rich uses whenever output is not a terminal (pipes, files, CI logs)
@@ -28,28 +27,6 @@ PIPE_WIDTH = {"COLUMNS": "80"}
 
 
 # --- helpers
-
-
-def assert_identical(expected: Any, actual: Any) -> None:
-    """Type-exact deep equality (types, key order, NaN, the sign of -0.0); iterative."""
-    stack = [(expected, actual, "$")]
-    while stack:
-        left, right, path = stack.pop()
-        assert type(left) is type(right), f"{path}: {type(left).__name__} came back as {type(right).__name__}"
-        if type(left) is dict:
-            assert list(left) == list(right), f"{path}: keys or key order differ"
-            stack.extend((left[key], right[key], f"{path}[{key!r}]") for key in left)
-        elif type(left) is list:
-            assert len(left) == len(right), f"{path}: length differs"
-            stack.extend(
-                (item, other, f"{path}[{index}]") for index, (item, other) in enumerate(zip(left, right, strict=True))
-            )
-        elif type(left) is float and math.isnan(left):
-            assert math.isnan(right), f"{path}: NaN came back as {right!r}"
-        elif type(left) is float:
-            assert left == right and math.copysign(1.0, left) == math.copysign(1.0, right), f"{path}: {right!r}"
-        else:
-            assert left == right, f"{path}: {left!r} came back as {right!r}"
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

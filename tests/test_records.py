@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import io
-import math
 import os
 import threading
 import tracemalloc
@@ -22,7 +21,7 @@ from gymckpt.store._memory import MemoryBackend, clear_memory_stores
 from gymckpt.store.backend import BlobSink
 from gymckpt.store.codec import decode_line, encode_record
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, RecordsSummary, read_records, write_records
-from gymckpt.store.testing import sample_records
+from gymckpt.store.testing import assert_identical, sample_records
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -32,28 +31,6 @@ WRITER_THREAD = "gymckpt-records-writer"
 
 
 # --- helpers
-
-
-def assert_identical(expected: Any, actual: Any) -> None:
-    """Type-exact deep equality (types, key order, NaN, the sign of -0.0); iterative."""
-    stack = [(expected, actual, "$")]
-    while stack:
-        left, right, path = stack.pop()
-        assert type(left) is type(right), f"{path}: {type(left).__name__} came back as {type(right).__name__}"
-        if type(left) is dict:
-            assert list(left) == list(right), f"{path}: keys or key order differ"
-            stack.extend((left[key], right[key], f"{path}[{key!r}]") for key in left)
-        elif type(left) is list:
-            assert len(left) == len(right), f"{path}: length differs"
-            stack.extend(
-                (item, other, f"{path}[{index}]") for index, (item, other) in enumerate(zip(left, right, strict=True))
-            )
-        elif type(left) is float and math.isnan(left):
-            assert math.isnan(right), f"{path}: NaN came back as {right!r}"
-        elif type(left) is float:
-            assert left == right and math.copysign(1.0, left) == math.copysign(1.0, right), f"{path}: {right!r}"
-        else:
-            assert left == right, f"{path}: {left!r} came back as {right!r}"
 
 
 def dataset() -> list[dict[str, Any]]:

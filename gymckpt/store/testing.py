@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from gymckpt.store.backend import StorageBackend
 
-__all__ = ["CORRUPTIONS", "BackendTests", "sample_records"]
+__all__ = ["CORRUPTIONS", "BackendTests", "assert_identical", "sample_records"]
 
 
 def sample_records(count: int, *, prefix: str = "r", payload: int = 200) -> list[dict[str, Any]]:
@@ -63,6 +64,28 @@ def sample_records(count: int, *, prefix: str = "r", payload: int = 200) -> list
 def same_records(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> bool:
     """Equality that treats NaN as equal to NaN and compares key order and types."""
     return json.dumps(left, allow_nan=True) == json.dumps(right, allow_nan=True) and _types(left) == _types(right)
+
+
+def assert_identical(expected: Any, actual: Any) -> None:
+    """Type-exact deep equality (types, key order, NaN, the sign of -0.0); iterative."""
+    stack = [(expected, actual, "$")]
+    while stack:
+        left, right, path = stack.pop()
+        assert type(left) is type(right), f"{path}: {type(left).__name__} came back as {type(right).__name__}"
+        if type(left) is dict:
+            assert list(left) == list(right), f"{path}: keys or key order differ"
+            stack.extend((left[key], right[key], f"{path}[{key!r}]") for key in left)
+        elif type(left) is list:
+            assert len(left) == len(right), f"{path}: length differs"
+            stack.extend(
+                (item, other, f"{path}[{index}]") for index, (item, other) in enumerate(zip(left, right, strict=True))
+            )
+        elif type(left) is float and math.isnan(left):
+            assert math.isnan(right), f"{path}: NaN came back as {right!r}"
+        elif type(left) is float:
+            assert left == right and math.copysign(1.0, left) == math.copysign(1.0, right), f"{path}: {right!r}"
+        else:
+            assert left == right, f"{path}: {left!r} came back as {right!r}"
 
 
 def _types(value: Any) -> Any:
