@@ -40,33 +40,9 @@ from gymckpt.store.codec import (
     episode_id_of_line,
     is_exact_line,
 )
+from gymckpt.store.testing import assert_identical
 
 # --- helpers
-
-
-def assert_identical(expected: Any, actual: Any) -> None:
-    """Type-exact deep equality: same types (bool is not int, int is not float), same dict key
-    order, NaN matches NaN, -0.0 keeps its sign. Iterative, so 4,096 levels are fine."""
-    stack = [(expected, actual, "$")]
-    while stack:
-        left, right, path = stack.pop()
-        assert type(left) is type(right), f"{path}: {type(left).__name__} came back as {type(right).__name__}"
-        if type(left) is dict:
-            assert list(left) == list(right), f"{path}: keys or key order differ: {list(left)!r} vs {list(right)!r}"
-            stack.extend((left[key], right[key], f"{path}[{key!r}]") for key in left)
-        elif type(left) is list:
-            assert len(left) == len(right), f"{path}: length {len(left)} came back as {len(right)}"
-            stack.extend(
-                (item, other, f"{path}[{index}]") for index, (item, other) in enumerate(zip(left, right, strict=True))
-            )
-        elif type(left) is float:
-            if math.isnan(left):
-                assert math.isnan(right), f"{path}: NaN came back as {right!r}"
-            else:
-                assert left == right, f"{path}: {left!r} came back as {right!r}"
-                assert math.copysign(1.0, left) == math.copysign(1.0, right), f"{path}: sign of {left!r} lost"
-        else:
-            assert left == right, f"{path}: {left!r} came back as {right!r}"
 
 
 def round_trip(record: dict[str, Any]) -> bytes:
