@@ -3,19 +3,22 @@
 Each class that can cross the wire carries its ``code`` (the wire error code) and its
 HTTP ``status``; the control plane maps them in one exception handler. Subclasses also
 inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps working.
+Every code belongs to exactly one class, the one that defines it (subclasses inherit it);
+:data:`WIRE_ERRORS` lists them and :func:`error_for_code` maps a wire code back.
 
 ::
 
     GymckptError
-    ├── NotJSONError (TypeError)                 a payload value that is not JSON
-    ├── InvalidRecord (ValueError)               a record without a leading episode_id, a duplicate
+    ├── InvalidPayload                           422 invalid_payload: records that cannot be stored
+    │   ├── NotJSONError (TypeError)             a payload value that is not JSON
+    │   └── InvalidRecord (ValueError)           a record without a leading episode_id, a duplicate
     ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, network)
     │   └── UnsupportedStorage                   a backend lacks a capability the store needs
     ├── WriteStopped                             a write was stopped before it published
-    ├── ManifestConflict (FileExistsError)       another manifest is already published there
     ├── ControlError                             control-plane refusals, each with its wire code
     │   ├── StaleCheckpoint                      409 stale_checkpoint: a resumed checkpoint's late call
     │   ├── CheckpointConflict                   409 checkpoint_conflict: another id open, other args
+    │   │   └── ManifestConflict (FileExistsError) another manifest is already published there
     │   ├── InvalidPhase                         409 invalid_phase
     │   ├── DeadlineExceeded (TimeoutError)      409 deadline_exceeded
     │   ├── StaleAttempt                         409 stale_attempt: a retired attempt's request
@@ -46,7 +49,14 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
         ├── RecordUndecodable                    a line that is not a JSON object with an episode_id
         ├── RecordCountMismatch
         ├── EpisodeIdsMismatch
+        ├── DuplicateEpisode                     an episode id on two lines, or twice in a manifest
+        ├── NotRegularFile (OSError)             a symlink, FIFO or device where state belongs
+        ├── FileTooLarge                         a manifest or checkpoint.json over its size limit
         ├── CheckpointIndexInvalid               gym/checkpoint.json damaged or inconsistent
+        │   ├── IndexParticipantMissing          it lists a participant whose manifest is missing
+        │   ├── IndexDigestMismatch              a listed manifest hashes otherwise
+        │   ├── IndexParticipantUnlisted         a committed participant it does not list
+        │   └── CheckpointIdMismatch             a manifest of another checkpoint id
         └── UnusableDirectory (OSError)          a directory that cannot hold state (read-only, no permission)
 """
 
@@ -58,13 +68,20 @@ __all__ = [
     "AgentRequestError",
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
+    "CheckpointIdMismatch",
     "CheckpointIndexInvalid",
     "ControlError",
     "DeadlineExceeded",
+    "DuplicateEpisode",
     "EpisodeIdsMismatch",
     "ExportFailed",
+    "FileTooLarge",
     "GymckptError",
+    "IndexDigestMismatch",
+    "IndexParticipantMissing",
+    "IndexParticipantUnlisted",
     "InvalidCheckpointState",
+    "InvalidPayload",
     "InvalidPhase",
     "InvalidRecord",
     "InvalidRolloutId",
@@ -73,6 +90,7 @@ __all__ = [
     "ManifestNotJSON",
     "ManifestNotObject",
     "NotJSONError",
+    "NotRegularFile",
     "ParticipantMismatch",
     "ParticipantNotFound",
     "RecordCountMismatch",
@@ -94,7 +112,9 @@ __all__ = [
     "UnsupportedSchemaVersion",
     "UnsupportedStorage",
     "UnusableDirectory",
+    "WIRE_ERRORS",
     "WriteStopped",
+    "error_for_code",
 ]
 
 
@@ -109,11 +129,15 @@ class GymckptError(Exception):
         self.detail = detail
 
 
-class NotJSONError(GymckptError, TypeError):
-    """A payload value that JSON cannot represent exactly; names the episode and the path."""
+class InvalidPayload(GymckptError):
+    """422 ``invalid_payload``: records a participant handed over that cannot be stored."""
 
     code = "invalid_payload"
     status = 422
+
+
+class NotJSONError(InvalidPayload, TypeError):
+    """A payload value that JSON cannot represent exactly; names the episode and the path."""
 
     def __init__(self, detail: str, *, episode_id: str | None = None, path: str = "$") -> None:
         super().__init__(detail)
@@ -121,11 +145,8 @@ class NotJSONError(GymckptError, TypeError):
         self.path = path
 
 
-class InvalidRecord(GymckptError, ValueError):
+class InvalidRecord(InvalidPayload, ValueError):
     """A record that cannot be stored: not a dict, no leading episode_id, or a duplicate id."""
-
-    code = "invalid_payload"
-    status = 422
 
 
 class StorageError(GymckptError, OSError):
@@ -157,20 +178,6 @@ class WriteStopped(GymckptError):
     status = 409
 
 
-class ManifestConflict(GymckptError, FileExistsError):
-    """A different manifest (or checkpoint.json) is already published at this path."""
-
-    code = "checkpoint_conflict"
-    status = 409
-
-    def __init__(self, detail: str, *, path: str) -> None:
-        GymckptError.__init__(self, detail)
-        self.path = path
-
-    def __str__(self) -> str:
-        return self.detail
-
-
 class ControlError(GymckptError):
     """A control-plane refusal; ``code`` and ``status`` go on the wire."""
 
@@ -184,6 +191,17 @@ class StaleCheckpoint(ControlError):
 
 class CheckpointConflict(ControlError):
     code = "checkpoint_conflict"
+
+
+class ManifestConflict(CheckpointConflict, FileExistsError):
+    """A different manifest (or checkpoint.json) is already published at this path."""
+
+    def __init__(self, detail: str, *, path: str) -> None:
+        GymckptError.__init__(self, detail)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.detail
 
 
 class InvalidPhase(ControlError):
@@ -333,11 +351,86 @@ class EpisodeIdsMismatch(InvalidCheckpointState):
     problem = "episode_ids_mismatch"
 
 
+class DuplicateEpisode(InvalidCheckpointState):
+    """One episode id on two lines of a records file, or listed twice by a manifest."""
+
+    problem = "duplicate_episode"
+
+
+class NotRegularFile(InvalidCheckpointState, OSError):
+    """A symlink, FIFO, socket or device where a records file, a manifest or a directory of state belongs.
+
+    Only regular files (in real directories) are state: such an entry is never followed or read.
+    """
+
+    problem = "not_regular_file"
+
+
+class FileTooLarge(InvalidCheckpointState):
+    """A manifest or ``checkpoint.json`` larger than its documented limit (read no further)."""
+
+    problem = "file_too_large"
+
+
 class CheckpointIndexInvalid(InvalidCheckpointState):
     problem = "checkpoint_index_invalid"
+
+
+class IndexParticipantMissing(CheckpointIndexInvalid, FileNotFoundError):
+    problem = "index_participant_missing"
+
+
+class IndexDigestMismatch(CheckpointIndexInvalid):
+    problem = "index_digest_mismatch"
+
+
+class IndexParticipantUnlisted(CheckpointIndexInvalid):
+    problem = "index_participant_unlisted"
+
+
+class CheckpointIdMismatch(CheckpointIndexInvalid):
+    """A manifest whose ``checkpoint_id`` differs from the checkpoint's (its index, or the other manifests)."""
+
+    problem = "checkpoint_id_mismatch"
 
 
 class UnusableDirectory(InvalidCheckpointState, OSError):
     """A directory that cannot hold state: read-only, not permitted, or not a directory."""
 
     problem = "unusable_directory"
+
+
+#: wire code → the one class that defines it (its subclasses inherit the code and are not listed)
+WIRE_ERRORS: dict[str, type[GymckptError]] = {
+    cls.code: cls
+    for cls in (
+        GymckptError,
+        InvalidPayload,
+        StorageError,
+        UnsupportedStorage,
+        WriteStopped,
+        ControlError,
+        StaleCheckpoint,
+        CheckpointConflict,
+        InvalidPhase,
+        DeadlineExceeded,
+        StaleAttempt,
+        RestartInScope,
+        ExportFailed,
+        AdmissionClosed,
+        RolloutIdRequired,
+        InvalidRolloutId,
+        CheckpointDirNotAllowed,
+        SessionBusy,
+        AgentError,
+        AgentRequestError,
+        RestoredInputMismatch,
+        Unauthorized,
+        InvalidCheckpointState,
+    )
+}
+
+
+def error_for_code(code: str) -> type[GymckptError] | None:
+    """The class of the wire error ``code`` (``{"error": {"code": …}}``), None for a code gymckpt never sends."""
+    return WIRE_ERRORS.get(code)

@@ -11,9 +11,15 @@ from gymckpt.store.testing import BackendTests
 
 
 class TestLocalBackend(BackendTests):
+    supports_special_files = True
+
     @pytest.fixture
     def backend(self, tmp_path) -> LocalBackend:
+        (tmp_path / "outside").mkdir()
         return LocalBackend(str(tmp_path / "root"))
+
+    def outside_directory(self, backend: LocalBackend) -> str:
+        return os.path.join(os.path.dirname(backend.root), "outside")
 
     def raw_read(self, backend: LocalBackend, path: str) -> bytes:
         with open(os.path.join(backend.root, path), "rb") as stream:
@@ -34,3 +40,21 @@ class TestLocalBackend(BackendTests):
             for name in names:
                 found.append(os.path.relpath(os.path.join(directory, name), backend.root))
         return sorted(found)
+
+
+def test_the_outside_watch_sees_what_follows_a_symlink(tmp_path) -> None:
+    """The attack table's watch can fail: reading through a symlink that leaves the root is seen."""
+    from gymckpt.store.testing import OutsideWatch
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(outside / "secret")
+    watch = OutsideWatch(str(outside))
+    try:
+        assert watch.events() == []
+        assert (tmp_path / "link").read_bytes() == b"x"
+        touched = {path for path, _ in watch.events()}
+        assert str(outside / "secret") in touched
+    finally:
+        watch.close()

@@ -73,7 +73,7 @@ class OsHooks:
         self.lock = threading.Lock()  # the records are written on a worker thread
         self.trace: list[tuple[str, str]] = []
 
-    def _where(self, name: str, args: tuple[Any, ...]) -> str | None:
+    def _where(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """The store-relative path a call touches, or None if it is outside the store."""
         target = args[0]
         if isinstance(target, int):  # write, fsync, close take a file descriptor
@@ -82,6 +82,12 @@ class OsHooks:
             except OSError:
                 return None
         target = os.fspath(target)
+        directory = kwargs.get("dir_fd", kwargs.get("src_dir_fd"))
+        if directory is not None and not os.path.isabs(target):  # a name relative to a directory descriptor
+            try:
+                target = os.path.join(os.readlink(f"/proc/self/fd/{directory}"), target)
+            except OSError:
+                return None
         if target != self.root and not target.startswith(self.root + os.sep):
             return None
         return os.path.relpath(target, self.root)
@@ -94,7 +100,7 @@ class OsHooks:
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             nonlocal calls
-            where = self._where(name, args)
+            where = self._where(name, args, kwargs)
             if where is None:
                 return real(*args, **kwargs)
             with self.lock:

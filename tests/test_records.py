@@ -19,7 +19,7 @@ from gymckpt.store import CheckpointStore
 from gymckpt.store._local import TEMP_PREFIX, LocalBackend
 from gymckpt.store._memory import MemoryBackend, clear_memory_stores
 from gymckpt.store.backend import BlobSink
-from gymckpt.store.codec import decode_line, encode_record
+from gymckpt.store.codec import decode_line, decode_record, encode_record
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, RecordsSummary, read_records, write_records
 from gymckpt.store.testing import assert_identical, sample_records
 
@@ -145,12 +145,12 @@ def test_scope_selects_only_those_ids_and_decodes_only_them(
     data, summary = write_to(memory, iter(records), chunk_size=chunk_size)
     decoded: list[str] = []
 
-    def counting_decode_line(line: bytes | memoryview) -> dict[str, Any]:
-        record = decode_line(line)
+    def counting_decode_record(line: bytes | memoryview, episode_id: str) -> dict[str, Any]:
+        record = decode_record(line, episode_id)
         decoded.append(record["episode_id"])
         return record
 
-    monkeypatch.setattr(records_module, "decode_line", counting_decode_line)
+    monkeypatch.setattr(records_module, "decode_record", counting_decode_record)
     scope = {"r3", 'long-unicode "quoted" é', "big-int", "not-in-the-file"}
     selected = list(read_records(io.BytesIO(data), check_for(summary), scope=scope, chunk_size=chunk_size))
 

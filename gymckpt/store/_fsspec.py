@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import io
 import logging
 import os
@@ -102,6 +103,9 @@ _CREDENTIAL_CODES = frozenset(
 )
 _CREDENTIAL_EXCEPTIONS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
 _DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "403"})
+_OWN_OPTIONS = frozenset(
+    {"block_size", "upload_concurrency", "single_put_bytes", "retries", "region", "unsafe_allow_non_atomic_create"}
+)
 _INT_OPTIONS = ("block_size", "upload_concurrency", "single_put_bytes", "retries", "max_concurrency")
 _BOOL_OPTIONS = ("unsafe_allow_non_atomic_create", "anon", "use_ssl", "requester_pays", "version_aware")
 
@@ -234,6 +238,44 @@ def _s3_options(options: dict[str, Any], retries: int | None) -> dict[str, Any]:
     return options
 
 
+#: options fsspec's base class and its instance cache consume themselves
+_FSSPEC_BASE_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"})
+
+
+def _check_options(url: str, protocol: str, options: dict[str, Any]) -> None:
+    """Refuse what fsspec would only fail on at the first request, or silently ignore.
+
+    A chained URL (``s3://b/x::memory://y``) and an option that no ``__init__`` of the
+    filesystem class names are refused here, at open, as :class:`UnsupportedStorage`.
+    """
+    if "::" in url:
+        raise UnsupportedStorage(f"{url!r} is a chained fsspec URL: name one filesystem (e.g. s3://bucket/prefix)")
+    try:
+        cls = fsspec.get_filesystem_class(protocol or "file")
+    except (ImportError, ValueError) as exc:
+        raise UnsupportedStorage(f"cannot open {url!r}: {exc} (for s3://: pip install 'gymckpt[s3]')") from exc
+    known = set(_FSSPEC_BASE_OPTIONS)
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):  # pragma: no cover - a C-level __init__
+            continue
+        known.update(
+            parameter.name
+            for parameter in parameters
+            if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and parameter.name != "self"
+        )
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UnsupportedStorage(
+            f"storage options {unknown} are not options of {cls.__name__} for {url!r}; "
+            f"gymckpt's own: {sorted(_OWN_OPTIONS)}"
+        )
+
+
 class FsspecBackend(StorageBackend):
     """Checkpoint files on object storage (S3 via s3fs) or any fsspec filesystem.
 
@@ -279,6 +321,7 @@ class FsspecBackend(StorageBackend):
                 raise UnsupportedStorage(
                     f"storage options {ignored} apply to s3:// URLs only; {url!r} would ignore them"
                 )
+        _check_options(url, protocol, options)
         options["skip_instance_cache"] = True  # this backend owns its filesystem; fsspec shares cached ones
         options["use_listings_cache"] = False  # listings must never come from a stale cache
         try:

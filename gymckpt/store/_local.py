@@ -1,25 +1,30 @@
-"""Local (and shared POSIX) filesystem backend: os-level I/O, real fsync of files and directories."""
+"""Local (and shared POSIX) filesystem backend: os-level I/O, real fsync of files and directories.
+
+Every path below the root is reached one component at a time from a directory descriptor
+(``openat`` with ``O_NOFOLLOW``), so nothing below the root is followed: a symlink, FIFO,
+socket or device where a directory or a file of state belongs is refused with
+:class:`~gymckpt.errors.NotRegularFile` before anything is read or written through it,
+and no read or write leaves the root. The root itself may be a symlink (a mount elsewhere).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import secrets
-from contextlib import contextmanager
+import stat
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
-from gymckpt.errors import ManifestConflict, StorageError, UnusableDirectory
-from gymckpt.store.backend import BlobSink, StorageBackend, join, safe_relative_path
+from gymckpt.errors import ManifestConflict, NotRegularFile, StorageError, UnusableDirectory
+from gymckpt.store.backend import BlobSink, EntryKind, StorageBackend, join, safe_relative_path
+from gymckpt.store.layout import TEMP_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from typing import BinaryIO
 
-__all__ = ["LocalBackend", "TEMP_PREFIX"]
-
-#: every temporary file this backend writes starts with this; verify reports leftovers
-TEMP_PREFIX = ".gymckpt-tmp-"
+__all__ = ["TEMP_PREFIX", "LocalBackend"]
 
 _DIRECTORY_ERRNOS = {
     errno.EACCES,
@@ -30,6 +35,10 @@ _DIRECTORY_ERRNOS = {
     errno.EISDIR,
     errno.ENAMETOOLONG,
 }
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
+#: O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused right after)
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def _translate(exc: OSError, path: str, action: str) -> Exception:
@@ -46,18 +55,32 @@ def _translate(exc: OSError, path: str, action: str) -> Exception:
 def _os_errors(path: str, action: str) -> Iterator[None]:
     try:
         yield
-    except FileNotFoundError:
+    except (FileNotFoundError, NotRegularFile):
         raise
     except OSError as exc:
         raise _translate(exc, path, action) from exc
 
 
-def _fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _describe(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a regular file"
+
+
+def _not_regular(path: str, mode: int, wanted: str) -> NotRegularFile:
+    return NotRegularFile(
+        f"{path} is {_describe(mode)}, not {wanted}: only regular files in real directories are state, "
+        "and gymckpt never follows or opens anything else",
+        path=path,
+    )
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -67,17 +90,30 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[written:]
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in reversed(fds):
+        with suppress(OSError):
+            os.close(fd)
+
+
 class _LocalSink(BlobSink):
     def __init__(self, backend: LocalBackend, directory: str) -> None:
-        self._backend = backend
-        self._directory = directory
-        self._real_directory = backend.real_path(directory)
-        self.temp_path = os.path.join(self._real_directory, f"{TEMP_PREFIX}{secrets.token_hex(8)}.part")
-        with _os_errors(directory, "create the directory"):
-            os.makedirs(self._real_directory, exist_ok=True)
-        with _os_errors(directory, "create a temporary file in"):
-            self._fd: int | None = os.open(self.temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self._directory = safe_relative_path(directory)
+        self._name = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
+        self.temp_path = join(self._directory, self._name)
+        self._dir_fd: int | None = backend.open_directory(self._directory, create=True)
+        try:
+            with _os_errors(self._directory, "create a temporary file in"):
+                self._fd: int | None = os.open(self._name, _CREATE_FLAGS, 0o644, dir_fd=self._dir_fd)
+        except BaseException:
+            self._close_directory()
+            raise
         self._published = False
+
+    def _close_directory(self) -> None:
+        fd, self._dir_fd = self._dir_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def write(self, chunk: bytes | memoryview) -> None:
         assert self._fd is not None, "write after finish or abort"
@@ -94,19 +130,22 @@ class _LocalSink(BlobSink):
             os.close(fd)
 
     def publish(self, name: str) -> None:
+        assert self._dir_fd is not None, "publish after abort"
         with _os_errors(join(self._directory, name), "rename into place"):
-            os.rename(self.temp_path, os.path.join(self._real_directory, name))
+            os.rename(self._name, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._published = True
+        self._close_directory()
 
     def abort(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-        if not self._published:
+        if not self._published and self._dir_fd is not None:
             try:
-                os.unlink(self.temp_path)
+                os.unlink(self._name, dir_fd=self._dir_fd)
             except OSError:
                 pass  # already gone, or the storage failed: verify reports the leftover
+        self._close_directory()
 
 
 class LocalBackend(StorageBackend):
@@ -129,91 +168,235 @@ class LocalBackend(StorageBackend):
         relative = safe_relative_path(path)
         return os.path.join(self.root, relative) if relative else self.root
 
+    # --- descriptors: every component below the root opened without following symlinks
+
+    def _chain(self, relative: str, *, create: bool) -> list[int]:
+        """Descriptors of the root and of each directory down to ``relative``; the caller closes them."""
+        fds: list[int] = []
+        try:
+            if create:
+                with _os_errors("", "create the store's root"):
+                    os.makedirs(self.root, exist_ok=True)
+            with _os_errors("", "open the store's root"):
+                fds.append(os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+            walked = ""
+            for name in relative.split("/") if relative else ():
+                walked = join(walked, name)
+                if create:
+                    try:
+                        os.mkdir(name, 0o755, dir_fd=fds[-1])
+                    except FileExistsError:
+                        pass
+                    except OSError as exc:
+                        raise _translate(exc, walked, "create the directory") from exc
+                fds.append(self._open_directory_at(fds[-1], name, walked))
+            return fds
+        except BaseException:
+            _close_all(fds)
+            raise
+
+    def _open_directory_at(self, parent: int, name: str, path: str) -> int:
+        try:
+            return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            mode = stat.S_IFREG
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                with suppress(OSError):
+                    mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+            if not stat.S_ISREG(mode):
+                raise _not_regular(path, mode, "a directory") from exc
+            raise _translate(exc, path, "open the directory") from exc
+
+    def open_directory(self, path: str, *, create: bool = False) -> int:
+        """A descriptor of the directory ``path`` (created with its parents when ``create``)."""
+        fds = self._chain(safe_relative_path(path), create=create)
+        leaf = fds.pop()
+        _close_all(fds)
+        return leaf
+
+    @contextmanager
+    def _parent(self, path: str, *, create: bool = False) -> Iterator[tuple[int, str, str]]:
+        """``(directory descriptor, file name, relative path)`` of a file's directory."""
+        relative = safe_relative_path(path)
+        directory, _, name = relative.rpartition("/")
+        if not name:
+            raise FileNotFoundError(errno.ENOENT, "the store's root is not a file", path)
+        fd = self.open_directory(directory, create=create)
+        try:
+            yield fd, name, relative
+        finally:
+            os.close(fd)
+
+    def _open_file(self, path: str) -> int:
+        """A read descriptor of the regular file ``path``; anything else is refused unopened."""
+        with self._parent(path) as (directory, name, relative):
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=directory)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                mode = stat.S_IFLNK if exc.errno == errno.ELOOP else stat.S_IFREG
+                if mode == stat.S_IFREG:  # a socket (ENXIO) or a device that refuses: say what it is
+                    with suppress(OSError):
+                        mode = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode
+                if not stat.S_ISREG(mode):
+                    raise _not_regular(relative, mode, "a regular file") from exc
+                raise _translate(exc, relative, "open") from exc
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            os.close(fd)
+            raise _translate(exc, relative, "stat") from exc
+        if stat.S_ISREG(mode):
+            return fd
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise FileNotFoundError(errno.EISDIR, f"{relative} is a directory, not a file", relative)
+        raise _not_regular(relative, mode, "a regular file")
+
+    # --- the interface
+
     def open_sink(self, directory: str) -> BlobSink:
         return _LocalSink(self, directory)
 
     def open_read(self, path: str) -> BinaryIO:
-        real = self.real_path(path)
-        with _os_errors(path, "open"):
-            return open(real, "rb", buffering=0)
+        return open(self._open_file(path), "rb", buffering=0)
 
     def read_bytes(self, path: str) -> bytes:
-        with _os_errors(path, "read"), open(self.real_path(path), "rb") as stream:
+        with _os_errors(path, "read"), self.open_read(path) as stream:
             return stream.read()
 
     def size(self, path: str) -> int:
-        with _os_errors(path, "stat"):
-            return os.stat(self.real_path(path)).st_size
+        fd = self._open_file(path)
+        try:
+            with _os_errors(path, "stat"):
+                return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return os.path.isfile(self.real_path(path))
+        """True when a regular file is at ``path`` (a symlink or special file is not one)."""
+        try:
+            os.close(self._open_file(path))
+        except (FileNotFoundError, NotRegularFile, UnusableDirectory):
+            return False
+        return True
 
     def list_dir(self, path: str) -> list[str]:
-        real = self.real_path(path)
         try:
-            entries = list(os.scandir(real))
-        except (FileNotFoundError, NotADirectoryError):
+            fd = self.open_directory(path)
+        except FileNotFoundError:
             return []
-        except OSError as exc:
-            raise _translate(exc, path, "list") from exc
+        except UnusableDirectory as exc:
+            if isinstance(exc.__cause__, NotADirectoryError):
+                return []
+            raise
+        try:
+            with _os_errors(path or ".", "list"):
+                entries = list(os.scandir(fd))
+        finally:
+            os.close(fd)
         return sorted(entry.name + "/" if entry.is_dir(follow_symlinks=False) else entry.name for entry in entries)
+
+    def walk_entries(self, path: str = "") -> Iterator[tuple[str, EntryKind]]:
+        """Every entry under ``path`` but real directories (descended), symlinks never followed."""
+        try:
+            fd = self.open_directory(path)
+        except FileNotFoundError:
+            return
+        except NotRegularFile:
+            yield safe_relative_path(path), EntryKind.SYMLINK
+            return
+        yield from self._walk_at(fd, safe_relative_path(path))
+
+    def _walk_at(self, fd: int, prefix: str) -> Iterator[tuple[str, EntryKind]]:
+        try:
+            with _os_errors(prefix or ".", "list"):
+                entries = sorted(os.scandir(fd), key=lambda entry: entry.name)
+            for entry in entries:
+                child = join(prefix, entry.name)
+                if entry.is_dir(follow_symlinks=False):
+                    try:
+                        below = self._open_directory_at(fd, entry.name, child)
+                    except FileNotFoundError:
+                        continue  # removed while we looked
+                    yield from self._walk_at(below, child)
+                elif entry.is_symlink():
+                    yield child, EntryKind.SYMLINK
+                elif entry.is_file(follow_symlinks=False):
+                    yield child, EntryKind.FILE
+                else:
+                    yield child, EntryKind.SPECIAL
+        finally:
+            os.close(fd)
+
+    def walk_files(self, path: str = "") -> Iterator[str]:
+        for child, kind in self.walk_entries(path):
+            if kind is EntryKind.FILE:
+                yield child
 
     def delete(self, path: str) -> None:
         try:
-            os.unlink(self.real_path(path))
+            with self._parent(path) as (directory, name, relative):
+                try:
+                    os.unlink(name, dir_fd=directory)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    raise _translate(exc, relative, "delete") from exc
         except FileNotFoundError:
             pass
-        except OSError as exc:
-            raise _translate(exc, path, "delete") from exc
 
     def sync_directories(self, path: str, up_to: str = "") -> None:
         relative = safe_relative_path(path)
         stop = safe_relative_path(up_to)
-        while True:
-            with _os_errors(relative or ".", "fsync the directory"):
-                _fsync_directory(self.real_path(relative))
-            if relative == stop or not relative:
-                return
-            relative = relative.rpartition("/")[0]
+        depth = len(stop.split("/")) if stop else 0
+        fds = self._chain(relative, create=False)
+        try:
+            levels = relative.split("/") if relative else []
+            for level in range(len(fds) - 1, depth - 1, -1):
+                where = "/".join(levels[:level]) or "."
+                with _os_errors(where, "fsync the directory"):
+                    os.fsync(fds[level])
+        finally:
+            _close_all(fds)
 
     def create_if_absent(self, path: str, data: bytes) -> bool:
-        directory, _, name = safe_relative_path(path).rpartition("/")
-        real_directory = self.real_path(directory)
-        with _os_errors(directory, "create the directory"):
-            os.makedirs(real_directory, exist_ok=True)
-        temp = os.path.join(real_directory, f"{TEMP_PREFIX}{secrets.token_hex(8)}.part")
-        target = os.path.join(real_directory, name)
-        try:
-            with _os_errors(path, "write"):
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        with self._parent(path, create=True) as (directory, name, relative):
+            temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
+            try:
+                with _os_errors(relative, "write"):
+                    fd = os.open(temp, _CREATE_FLAGS, 0o644, dir_fd=directory)
+                    try:
+                        _write_all(fd, data)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
                 try:
-                    _write_all(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                    os.link(temp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
+                    created = True
+                except FileExistsError:
+                    created = False
+                except OSError as exc:
+                    raise _translate(exc, relative, "create") from exc
+            finally:
+                try:
+                    os.unlink(temp, dir_fd=directory)
+                except OSError:
+                    pass  # verify reports a leftover temporary file
+            if not created:
+                existing = self.read_bytes(relative)
+                if existing != data:
+                    raise ManifestConflict(f"{relative} already exists with other content", path=relative)
             try:
-                os.link(temp, target)
-                created = True
-            except FileExistsError:
-                created = False
-            except OSError as exc:
-                raise _translate(exc, path, "create") from exc
-        finally:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass  # verify reports a leftover temporary file
-        if not created:
-            existing = self.read_bytes(path)
-            if existing != data:
-                raise ManifestConflict(f"{path} already exists with other content", path=path)
-        try:
-            with _os_errors(directory, "fsync the directory"):
-                _fsync_directory(real_directory)
-        except StorageError:
-            if created:
-                # the caller learns the create failed, so the file must not stay: a retry creates it again
-                with contextlib.suppress(OSError):
-                    os.unlink(target)
-            raise
-        return created
+                with _os_errors(relative.rpartition("/")[0] or ".", "fsync the directory"):
+                    os.fsync(directory)
+            except StorageError:
+                if created:
+                    # the caller learns the create failed, so the file must not stay: a retry creates it again
+                    with suppress(OSError):
+                        os.unlink(name, dir_fd=directory)
+                raise
+            return created

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryBackend", "clear_memory_stores"]
 
-_STORES: dict[str, dict[str, bytes]] = {}
+#: name -> (files, lock): every backend opened on one name shares both, so create_if_absent has one winner
+_STORES: dict[str, tuple[dict[str, bytes], threading.Lock]] = {}
 _STORES_LOCK = threading.Lock()
 
 
@@ -55,8 +56,7 @@ class MemoryBackend(StorageBackend):
         self.url = url
         name = url.removeprefix("memory://").strip("/")
         with _STORES_LOCK:
-            self.files = _STORES.setdefault(name, {})
-        self.lock = threading.Lock()
+            self.files, self.lock = _STORES.setdefault(name, ({}, threading.Lock()))
 
     @property
     def supports_directory_fsync(self) -> bool:

@@ -5,8 +5,12 @@ Paths are relative to the backend's root, ``/``-separated, and never escape it
 pretending: object storage has no directory fsync, and a store that cannot create a
 file only if it is absent cannot publish a manifest safely.
 
-Note for implementers: :meth:`StorageBackend.walk_files` and
-:meth:`StorageBackend.size` have slow-but-correct defaults built on the other methods;
+Only regular files are state: a backend that can meet symlinks, FIFOs or devices (the
+local one) never follows or opens them, refuses them with
+:class:`~gymckpt.errors.NotRegularFile`, and lists them in :meth:`StorageBackend.walk_entries`.
+
+Note for implementers: :meth:`StorageBackend.walk_files`, :meth:`StorageBackend.walk_entries`
+and :meth:`StorageBackend.size` have slow-but-correct defaults built on the other methods;
 override them where the storage can answer directly.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import posixpath
 from abc import ABC, abstractmethod
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from gymckpt.errors import RecordsPathEscapes
@@ -22,7 +27,16 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
     from typing import BinaryIO
 
-__all__ = ["BlobSink", "StorageBackend", "join", "safe_relative_path"]
+__all__ = ["BlobSink", "EntryKind", "StorageBackend", "join", "read_limited", "safe_relative_path"]
+
+
+class EntryKind(StrEnum):
+    """What a listed entry is; real directories are descended, never listed."""
+
+    FILE = "file"
+    SYMLINK = "symlink"
+    #: a FIFO, socket or device
+    SPECIAL = "special"
 
 
 def safe_relative_path(path: str) -> str:
@@ -38,6 +52,17 @@ def safe_relative_path(path: str) -> str:
 def join(*parts: str) -> str:
     """Join store-relative path parts, skipping empty ones."""
     return "/".join(part.strip("/") for part in parts if part and part.strip("/"))
+
+
+def read_limited(backend: StorageBackend, path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``path``: more than ``limit`` tells the caller the file is too large."""
+    parts: list[bytes] = []
+    wanted = limit + 1
+    with backend.open_read(path) as stream:
+        while wanted > 0 and (chunk := stream.read(min(wanted, 1 << 20))):
+            parts.append(chunk)
+            wanted -= len(chunk)
+    return b"".join(parts)
 
 
 class BlobSink(ABC):
@@ -136,6 +161,15 @@ class StorageBackend(ABC):
                     pending.append(child)
                 else:
                     yield child
+
+    def walk_entries(self, path: str = "") -> Iterator[tuple[str, EntryKind]]:
+        """Every entry under ``path`` that is not a real directory, with its kind.
+
+        Default: every path of :meth:`walk_files` is a regular file (object storage has no
+        symlinks); a backend that can meet symlinks or special files overrides this.
+        """
+        for child in self.walk_files(path):
+            yield child, EntryKind.FILE
 
     def close(self) -> None:
         """Release what the backend holds (connections, an owned filesystem)."""

@@ -33,6 +33,7 @@ __all__ = [
     "check_json",
     "decode_document",
     "decode_line",
+    "decode_record",
     "encode_document",
     "encode_record",
     "episode_id_of_line",
@@ -150,6 +151,26 @@ def _surrogate_pair_problem(text: str) -> bool:
     return _SURROGATE_PAIR.search(text) is not None
 
 
+def _cycle_path(value: object, root: str) -> str | None:
+    """The path of the first container that holds one of its own ancestors, or None."""
+    on_path: set[int] = set()
+    stack: list[tuple[object, str, bool]] = [(value, root, False)]
+    while stack:
+        node, path, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(node))
+            continue
+        if type(node) is not dict and type(node) is not list:
+            continue
+        if id(node) in on_path:
+            return path
+        on_path.add(id(node))
+        stack.append((node, path, True))
+        items = node.items() if type(node) is dict else enumerate(node)  # type: ignore[union-attr, arg-type]
+        stack.extend((item, _path_join(path, key), False) for key, item in items)
+    return None
+
+
 def check_json(value: object, *, episode_id: str | None = None, root: str = "$") -> int:
     """Raise :class:`NotJSONError` naming the first value JSON cannot hold; return the depth.
 
@@ -171,6 +192,9 @@ def check_json(value: object, *, episode_id: str | None = None, root: str = "$")
         if kind is dict or kind is list:
             depth += 1
             if depth > MAX_DEPTH:
+                cycle = _cycle_path(value, root)
+                if cycle is not None:
+                    raise refuse(f"value at {cycle} contains itself (a reference cycle JSON cannot hold)", cycle)
                 raise refuse(f"value at {path} nests deeper than {MAX_DEPTH} levels", path)
             deepest = max(deepest, depth)
             children: list[tuple[object, str, int]] = []
@@ -196,32 +220,42 @@ def check_json(value: object, *, episode_id: str | None = None, root: str = "$")
     return deepest
 
 
-_HEADROOM_LOCK = threading.Lock()
+_EXACT_LOCK = threading.Lock()
 
 
 @contextmanager
-def _recursion_headroom(depth: int) -> Iterator[None]:
-    """Let the standard library's recursive C encoder and decoder reach ``depth`` levels.
+def _exact_context(depth: int = MAX_DEPTH) -> Iterator[None]:
+    """Let the standard library's recursive C encoder and decoder reach ``depth`` levels and
+    convert integers of any size (a default process refuses more than 4,300 digits).
 
-    The limit is interpreter-wide, so deep records take turns instead of lowering it
+    Both limits are interpreter-wide, so exact work takes turns instead of changing them
     under each other's feet.
     """
-    if depth < 200:
-        yield
-        return
-    with _HEADROOM_LOCK:
-        previous = sys.getrecursionlimit()
-        sys.setrecursionlimit(previous + depth + 100)
+    with _EXACT_LOCK:
+        recursion = sys.getrecursionlimit()
+        digits = sys.get_int_max_str_digits()
+        sys.setrecursionlimit(recursion + depth + 100)
+        sys.set_int_max_str_digits(0)
         try:
             yield
         finally:
-            sys.setrecursionlimit(previous)
+            sys.set_int_max_str_digits(digits)
+            sys.setrecursionlimit(recursion)
 
 
-def _exact_dumps(record: dict[str, Any], depth: int) -> bytes:
-    with _recursion_headroom(depth):
-        text = json.dumps(record, ensure_ascii=True, allow_nan=True, separators=(",", ": "))
-    return text.encode("ascii") + b"\n"
+def _exact_dumps(value: object, depth: int, **options: Any) -> str:
+    """``json.dumps`` that reaches ``depth`` and writes integers of any size."""
+    if depth < 200:
+        try:
+            return json.dumps(value, ensure_ascii=True, allow_nan=True, **options)
+        except ValueError:
+            pass  # an integer beyond the process's digit limit: again, without the limit
+    with _exact_context(depth):
+        return json.dumps(value, ensure_ascii=True, allow_nan=True, **options)
+
+
+def _exact_line(record: dict[str, Any], depth: int) -> bytes:
+    return _exact_dumps(record, depth, separators=(",", ": ")).encode("ascii") + b"\n"
 
 
 def _leading_episode_id(record: object) -> str:
@@ -241,26 +275,25 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
     """Return ``(episode_id, line)`` for one record; the line ends with a newline.
 
     Raises :class:`InvalidRecord` for a record without a leading ``episode_id`` and
-    :class:`NotJSONError` (naming the episode and the path) for a value JSON cannot hold.
+    :class:`NotJSONError` (naming the episode and the path) for a value JSON cannot hold,
+    a value that contains itself included.
     """
     episode_id = _leading_episode_id(record)
-    options = _ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE
-    if _fast_path_safe(record):
-        try:
-            return episode_id, orjson.dumps(record, default=_refuse, option=options)
-        except TypeError:
-            strings_clean = False  # a big integer, a lone surrogate, deep nesting, or a non-str key
+    # orjson first: it stops at 255 levels, so a value that contains itself ends here
+    try:
+        line = orjson.dumps(record, default=_refuse, option=_ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        strings_clean = False  # a big integer, a lone surrogate, deep nesting, a cycle, or not JSON
     else:
-        try:  # NaN or an infinity (or a type orjson converts): does orjson vouch for the strings?
-            orjson.dumps(record, default=_refuse, option=options)
-            strings_clean = True
-        except TypeError:
-            strings_clean = False
+        if _fast_path_safe(record):
+            return episode_id, line
+        strings_clean = True  # NaN or an infinity (or a type orjson converts): orjson vouched for the strings
+        del line
     depth = _exact_path_safe(record, check_strings=not strings_clean)
     if depth is None:
         check_json(record, episode_id=episode_id)  # raises, naming the first bad value
         raise AssertionError("unreachable: check_json accepted what the exact path refused")  # pragma: no cover
-    return episode_id, _exact_dumps(record, depth)
+    return episode_id, _exact_line(record, depth)
 
 
 def is_exact_line(line: bytes | memoryview) -> bool:
@@ -272,7 +305,7 @@ def decode_line(line: bytes | memoryview) -> dict[str, Any]:
     """Decode one records line (with or without its newline) into its record."""
     try:
         if line[:15] == EXACT_PREFIX:
-            with _recursion_headroom(MAX_DEPTH):
+            with _exact_context():
                 record = json.loads(bytes(line))
         else:
             record = orjson.loads(line)
@@ -280,6 +313,38 @@ def decode_line(line: bytes | memoryview) -> dict[str, Any]:
         raise RecordUndecodable(f"line is not JSON: {exc}") from exc
     if type(record) is not dict or next(iter(record), None) != "episode_id":
         raise RecordUndecodable("line is not a JSON object whose first key is 'episode_id'")
+    return record
+
+
+_EPISODE_ID_KEY = re.compile(rb'"episode_id"')
+
+
+def _repeats_a_key(line: bytes | memoryview) -> bool:
+    """True when an object of the line holds a key twice (a JSON decoder keeps only the last)."""
+    repeated = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal repeated
+        keys = [key for key, _ in items]
+        repeated = repeated or len(set(keys)) != len(keys)
+        return dict(items)
+
+    with _exact_context():
+        json.loads(bytes(line), object_pairs_hook=pairs)
+    return repeated
+
+
+def decode_record(line: bytes | memoryview, episode_id: str) -> dict[str, Any]:
+    """Decode a records line whose leading ``episode_id`` token read ``episode_id``.
+
+    A line naming another episode id later in its object (which the decoder would keep) or
+    the same one twice is damage, so a record is always what its line starts with.
+    """
+    record = decode_line(line)
+    if record["episode_id"] != episode_id or (
+        _EPISODE_ID_KEY.search(line, len(FAST_PREFIX)) is not None and _repeats_a_key(line)
+    ):
+        raise RecordUndecodable(f"line of episode {episode_id!r} holds the key 'episode_id' more than once")
     return record
 
 
@@ -300,15 +365,13 @@ def encode_document(document: dict[str, Any]) -> bytes:
 
     The output depends only on the document, so a retried write compares bytes.
     """
-    depth = check_json(document)
-    with _recursion_headroom(depth):
-        return json.dumps(document, indent=2, ensure_ascii=True, allow_nan=True).encode("ascii") + b"\n"
+    return _exact_dumps(document, check_json(document), indent=2).encode("ascii") + b"\n"
 
 
 def decode_document(data: bytes) -> object:
     """Decode a document written by :func:`encode_document` (raises ``ValueError``)."""
     try:
-        with _recursion_headroom(MAX_DEPTH):
+        with _exact_context():
             return json.loads(data)
     except RecursionError as exc:
         raise ValueError(f"nesting deeper than {MAX_DEPTH} levels") from exc

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import re
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
 from gymckpt._version import __version__
 from gymckpt.errors import (
+    DuplicateEpisode,
     ManifestFieldInvalid,
     ManifestNotJSON,
     ManifestNotObject,
@@ -19,6 +20,15 @@ from gymckpt.errors import (
 )
 from gymckpt.store.backend import join
 from gymckpt.store.codec import decode_document, encode_document
+from gymckpt.store.layout import (
+    MANIFEST_NAME,
+    NAME_PATTERN,
+    RECORDS_NAME_PATTERN,
+    check_name,
+    is_valid_name,
+    participant_directory,
+    records_name,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -32,10 +42,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-#: kinds, instances and checkpoint ids: safe single path components
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-RECORDS_NAME_PATTERN = re.compile(r"^records-([0-9a-f]{64})\.jsonl$")
 
 _REQUIRED: dict[str, type] = {
     "schema_version": int,
@@ -50,23 +56,6 @@ _REQUIRED: dict[str, type] = {
     "writer": str,
 }
 RESERVED_FIELDS = frozenset(_REQUIRED)
-
-
-def check_name(what: str, value: object) -> str:
-    """Return ``value`` if it is a safe name (kind, instance, checkpoint id); else ValueError."""
-    if not isinstance(value, str) or not NAME_PATTERN.match(value):
-        raise ValueError(f"{what} must match {NAME_PATTERN.pattern}, got {value!r}")
-    return value
-
-
-def participant_directory(checkpoint_dir: str, kind: str, instance: str) -> str:
-    """``<checkpoint_dir>/gym/<kind>/<instance>``, store-relative."""
-    return join(checkpoint_dir, "gym", kind, instance)
-
-
-def records_name(sha256_hex: str) -> str:
-    """The file name of a records file whose bytes hash to ``sha256_hex``."""
-    return f"records-{sha256_hex}.jsonl"
 
 
 @dataclass(frozen=True)
@@ -190,8 +179,20 @@ class Manifest:
         for name in ("record_count", "records_bytes"):
             if document[name] < 0:
                 raise ManifestFieldInvalid(f"manifest field {name} is negative", **where)
-        if not all(type(item) is str for item in document["episode_ids"]):
-            raise ManifestFieldInvalid("manifest episode_ids holds a value that is not a string", **where)
+        episode_ids = document["episode_ids"]
+        if not all(type(item) is str and item for item in episode_ids):
+            raise ManifestFieldInvalid("manifest episode_ids holds a value that is not a non-empty string", **where)
+        for earlier, later in itertools.pairwise(episode_ids):
+            if earlier == later:
+                raise DuplicateEpisode(f"manifest lists episode {earlier!r} twice", **where)
+            if earlier > later:
+                raise ManifestFieldInvalid(
+                    f"manifest episode_ids are not sorted ({earlier!r} before {later!r})", **where
+                )
+        if not is_valid_name(document["checkpoint_id"]):
+            raise ManifestFieldInvalid(
+                f"manifest checkpoint_id {document['checkpoint_id']!r} is not a valid id", **where
+            )
         if (document["kind"], document["instance"]) != (kind, instance):
             raise ParticipantMismatch(
                 f"manifest names {document['kind']}/{document['instance']}, but lies in the directory of {kind}/{instance}",
@@ -202,7 +203,7 @@ class Manifest:
             raise RecordsPathEscapes(
                 f"records_file {records_file!r} is not a file in the participant directory", **where
             )
-        if not RECORDS_NAME_PATTERN.match(records_file):
+        if not RECORDS_NAME_PATTERN.fullmatch(records_file):
             raise RecordsNameInvalid(
                 f"records_file {records_file!r} does not match {RECORDS_NAME_PATTERN.pattern}", **where
             )

@@ -6,15 +6,19 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import (
+    FileTooLarge,
     GymckptError,
     InvalidCheckpointState,
     ManifestConflict,
+    NotRegularFile,
     ParticipantNotFound,
     RecordsMissing,
     RecordsSizeMismatch,
     StorageError,
 )
-from gymckpt.store.manifest import MANIFEST_NAME, Manifest, check_name, participant_directory
+from gymckpt.store.backend import read_limited
+from gymckpt.store.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, check_name, participant_directory
+from gymckpt.store.manifest import Manifest
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, WriteStop, read_records, write_records
 
 if TYPE_CHECKING:
@@ -22,7 +26,14 @@ if TYPE_CHECKING:
 
     from gymckpt.store.backend import StorageBackend
 
-__all__ = ["commit_participant", "expected_records", "iter_manifest_records", "load_manifest", "restore_participant"]
+__all__ = [
+    "commit_participant",
+    "expected_records",
+    "iter_manifest_records",
+    "load_manifest",
+    "read_manifest_file",
+    "restore_participant",
+]
 
 
 def commit_participant(
@@ -89,17 +100,36 @@ def _remove_losing_records(backend: StorageBackend, ours: Manifest) -> None:
         backend.delete(ours.records_path)
 
 
+def read_manifest_file(backend: StorageBackend, path: str, *, kind: str, instance: str) -> Manifest:
+    """Read (at most :data:`MAX_MANIFEST_BYTES` + 1 bytes) and validate the manifest at ``path``.
+
+    Raises ``FileNotFoundError`` when there is none, and a typed
+    :class:`~gymckpt.errors.InvalidCheckpointState` on any damage.
+    """
+    participant = f"{kind}/{instance}"
+    try:
+        raw = read_limited(backend, path, MAX_MANIFEST_BYTES)
+    except NotRegularFile as exc:
+        raise NotRegularFile(exc.reason, path=exc.path, participant=participant) from exc
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise FileTooLarge(
+            f"manifest is larger than {MAX_MANIFEST_BYTES} bytes: refused unread", path=path, participant=participant
+        )
+    return Manifest.parse(raw, path=path, kind=kind, instance=instance)
+
+
 def load_manifest(backend: StorageBackend, checkpoint_dir: str, *, kind: str, instance: str) -> Manifest:
     """Read and validate one participant's manifest (typed errors on any damage)."""
     directory = participant_directory(checkpoint_dir, check_name("kind", kind), check_name("instance", instance))
     path = f"{directory}/{MANIFEST_NAME}"
     try:
-        raw = backend.read_bytes(path)
+        return read_manifest_file(backend, path, kind=kind, instance=instance)
     except FileNotFoundError as exc:
+        if isinstance(exc, InvalidCheckpointState):
+            raise
         raise ParticipantNotFound(
             "no manifest: this participant was not committed", path=path, participant=f"{kind}/{instance}"
         ) from exc
-    return Manifest.parse(raw, path=path, kind=kind, instance=instance)
 
 
 def expected_records(manifest: Manifest) -> RecordsCheck:
@@ -128,15 +158,16 @@ def iter_manifest_records(
     expected = expected_records(manifest)
     try:
         size = backend.size(manifest.records_path)
-    except FileNotFoundError as exc:
-        raise expected.fail(RecordsMissing, "records file is missing") from exc
-    if size != manifest.records_bytes:
-        raise expected.fail(
-            RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
-        )
-    try:
+        if size != manifest.records_bytes:
+            raise expected.fail(
+                RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
+            )
         stream = backend.open_read(manifest.records_path)
+    except NotRegularFile as exc:
+        raise expected.fail(NotRegularFile, exc.reason) from exc
     except FileNotFoundError as exc:
+        if isinstance(exc, InvalidCheckpointState):
+            raise
         raise expected.fail(RecordsMissing, "records file is missing") from exc
     with stream:
         try:

@@ -8,27 +8,48 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gymckpt._version import __version__
-from gymckpt.errors import CheckpointIndexInvalid
-from gymckpt.store.backend import join
+from gymckpt.errors import (
+    CheckpointIdMismatch,
+    CheckpointIndexInvalid,
+    FileTooLarge,
+    IndexDigestMismatch,
+    IndexParticipantMissing,
+    IndexParticipantUnlisted,
+    InvalidCheckpointState,
+)
+from gymckpt.store.backend import join, read_limited
 from gymckpt.store.codec import decode_document, encode_document
-from gymckpt.store.manifest import MANIFEST_NAME, NAME_PATTERN, SCHEMA_VERSION, check_name
+from gymckpt.store.layout import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
+    check_name,
+    index_path,
+    is_valid_name,
+)
+from gymckpt.store.manifest import SCHEMA_VERSION
+from gymckpt.store.participant import read_manifest_file
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Collection, Iterable, Mapping
 
     from gymckpt.store.backend import StorageBackend
     from gymckpt.store.manifest import Manifest
 
-__all__ = ["INDEX_NAME", "CheckpointIndex", "IndexEntry", "index_path", "publish_checkpoint", "read_index"]
+__all__ = [
+    "INDEX_NAME",
+    "CheckpointIndex",
+    "IndexEntry",
+    "index_path",
+    "index_problems",
+    "publish_checkpoint",
+    "read_index",
+    "read_index_file",
+]
 
-INDEX_NAME = "checkpoint.json"
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _RESERVED = frozenset({"schema_version", "checkpoint_id", "participants", "writer"})
-
-
-def index_path(checkpoint_dir: str) -> str:
-    """Store-relative path of a checkpoint's index."""
-    return join(checkpoint_dir, "gym", INDEX_NAME)
 
 
 @dataclass(frozen=True)
@@ -106,7 +127,7 @@ def publish_checkpoint(
         path = join(checkpoint_dir, "gym", manifest.kind, manifest.instance, MANIFEST_NAME)
         if path != manifest.path:
             raise ValueError(f"manifest {manifest.path} does not belong to checkpoint directory {checkpoint_dir!r}")
-        stored = hashlib.sha256(backend.read_bytes(path)).hexdigest()
+        stored = hashlib.sha256(read_limited(backend, path, MAX_MANIFEST_BYTES)).hexdigest()
         if stored != manifest.sha256:
             raise CheckpointIndexInvalid(
                 "the published manifest differs from the one committed", path=path, participant=manifest.participant
@@ -124,28 +145,101 @@ def publish_checkpoint(
 def read_index(backend: StorageBackend, checkpoint_dir: str, *, check_manifests: bool = True) -> CheckpointIndex:
     """Read and validate ``gym/checkpoint.json`` (FileNotFoundError when unpublished).
 
-    With ``check_manifests``, every listed manifest must exist and hash as listed.
+    With ``check_manifests``, every listed manifest must exist, hash as listed and name
+    the index's checkpoint id (the first disagreement is raised, typed).
     """
     path = index_path(checkpoint_dir)
-    index = parse_index(backend.read_bytes(path), path=path)
+    index = read_index_file(backend, path)
     if check_manifests:
+        manifests: dict[tuple[str, str], Manifest] = {}
         for entry in index.participants:
-            manifest_path = join(checkpoint_dir, entry.manifest)
             try:
-                digest = hashlib.sha256(backend.read_bytes(manifest_path)).hexdigest()
+                manifests[(entry.kind, entry.instance)] = read_manifest_file(
+                    backend, join(checkpoint_dir, entry.manifest), kind=entry.kind, instance=entry.instance
+                )
             except FileNotFoundError as exc:
-                raise CheckpointIndexInvalid(
+                if isinstance(exc, InvalidCheckpointState):
+                    raise
+        problems = index_problems(index, checkpoint_dir, manifests, check_unlisted=False)
+        if problems:
+            raise problems[0]
+    return index
+
+
+def read_index_file(backend: StorageBackend, path: str) -> CheckpointIndex:
+    """Read (at most :data:`MAX_INDEX_BYTES` + 1 bytes) and validate the index at ``path``."""
+    raw = read_limited(backend, path, MAX_INDEX_BYTES)
+    if len(raw) > MAX_INDEX_BYTES:
+        raise FileTooLarge(f"checkpoint.json is larger than {MAX_INDEX_BYTES} bytes: refused unread", path=path)
+    return parse_index(raw, path=path)
+
+
+def index_problems(
+    index: CheckpointIndex,
+    checkpoint_dir: str,
+    manifests: Mapping[tuple[str, str], Manifest],
+    *,
+    damaged: Collection[tuple[str, str]] = (),
+    check_unlisted: bool = True,
+) -> list[CheckpointIndexInvalid]:
+    """Every way ``index`` disagrees with the intact ``manifests`` of its checkpoint directory.
+
+    Participants in ``damaged`` are skipped (their damage is reported already). A manifest
+    is compared by id only where its digest matches: one damage, one problem.
+    """
+    path = index_path(checkpoint_dir)
+    listed = {(entry.kind, entry.instance): entry for entry in index.participants}
+    problems: list[CheckpointIndexInvalid] = []
+    agreeing: list[Manifest] = []
+    for key, entry in sorted(listed.items()):
+        if key in damaged:
+            continue
+        manifest = manifests.get(key)
+        if manifest is None:
+            problems.append(
+                IndexParticipantMissing(
                     "checkpoint.json lists a participant whose manifest is missing",
-                    path=manifest_path,
-                    participant=entry.participant,
-                ) from exc
-            if digest != entry.manifest_sha256:
-                raise CheckpointIndexInvalid(
-                    f"manifest hashes to {digest}, checkpoint.json says {entry.manifest_sha256}",
-                    path=manifest_path,
+                    path=join(checkpoint_dir, entry.manifest),
                     participant=entry.participant,
                 )
-    return index
+            )
+        elif manifest.sha256 != entry.manifest_sha256:
+            problems.append(
+                IndexDigestMismatch(
+                    f"manifest hashes to {manifest.sha256}, checkpoint.json says {entry.manifest_sha256}",
+                    path=manifest.path,
+                    participant=entry.participant,
+                )
+            )
+        else:
+            agreeing.append(manifest)
+    if check_unlisted:
+        for key in sorted(set(manifests) - set(listed) - set(damaged)):
+            problems.append(
+                IndexParticipantUnlisted(
+                    "a committed participant that checkpoint.json does not list",
+                    path=manifests[key].path,
+                    participant=manifests[key].participant,
+                )
+            )
+    other = [manifest for manifest in agreeing if manifest.checkpoint_id != index.checkpoint_id]
+    if other and len(other) == len(agreeing) and len({manifest.checkpoint_id for manifest in other}) == 1:
+        problems.append(
+            CheckpointIdMismatch(
+                f"checkpoint.json names checkpoint_id {index.checkpoint_id!r}, its manifests {other[0].checkpoint_id!r}",
+                path=path,
+            )
+        )
+    else:
+        problems.extend(
+            CheckpointIdMismatch(
+                f"manifest names checkpoint_id {manifest.checkpoint_id!r}, checkpoint.json {index.checkpoint_id!r}",
+                path=manifest.path,
+                participant=manifest.participant,
+            )
+            for manifest in other
+        )
+    return problems
 
 
 def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
@@ -165,7 +259,7 @@ def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
             f"checkpoint.json schema_version is {document.get('schema_version')!r}, expected {SCHEMA_VERSION}"
         )
     checkpoint_id = document.get("checkpoint_id")
-    if not isinstance(checkpoint_id, str) or not NAME_PATTERN.match(checkpoint_id):
+    if not is_valid_name(checkpoint_id):
         raise invalid(f"checkpoint.json checkpoint_id {checkpoint_id!r} is not a valid id")
     listed = document.get("participants")
     if type(listed) is not list:
@@ -180,9 +274,11 @@ def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
         except ValueError as exc:
             raise invalid(str(exc)) from exc
         digest = item.get("manifest_sha256")
-        if not isinstance(digest, str) or not _SHA256.match(digest):
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise invalid(f"participant {kind}/{instance} has no valid manifest_sha256")
         entry = IndexEntry(kind, instance, digest)
+        if any((seen.kind, seen.instance) == (kind, instance) for seen in entries):
+            raise invalid(f"checkpoint.json lists participant {kind}/{instance} twice")
         if item.get("manifest") != entry.manifest:
             raise invalid(
                 f"participant {kind}/{instance} names manifest {item.get('manifest')!r}, expected {entry.manifest!r}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import queue
 import threading
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import (
+    DuplicateEpisode,
     EpisodeIdsMismatch,
     InvalidRecord,
     RecordCountMismatch,
@@ -26,7 +28,7 @@ from gymckpt.errors import (
     RecordUndecodable,
     WriteStopped,
 )
-from gymckpt.store.codec import decode_line, encode_record, episode_id_of_line
+from gymckpt.store.codec import decode_record, encode_record, episode_id_of_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Iterator
@@ -165,10 +167,13 @@ def write_records(
 class _ChunkReader(threading.Thread):
     """Reads and hashes chunks ahead of the decoding thread."""
 
-    def __init__(self, stream: BinaryIO, chunk_size: int) -> None:
+    def __init__(self, stream: BinaryIO, chunk_size: int, limit: int) -> None:
         super().__init__(name="gymckpt-records-reader", daemon=True)
         self.stream = stream
         self.chunk_size = chunk_size
+        #: bytes still to read at most: a file longer than its manifest claims is read no further
+        self.remaining = limit
+        self.last_byte = b""
         self.hasher = hashlib.sha256()
         self.size = 0
         self.error: BaseException | None = None
@@ -177,10 +182,12 @@ class _ChunkReader(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self.cancelled:
-                chunk = self.stream.read(self.chunk_size)
+            while not self.cancelled and self.remaining > 0:
+                chunk = self.stream.read(min(self.chunk_size, self.remaining))
                 if not chunk:
                     break
+                self.remaining -= len(chunk)
+                self.last_byte = chunk[-1:]
                 self.hasher.update(chunk)
                 self.size += len(chunk)
                 self.outbox.put(chunk)
@@ -306,7 +313,7 @@ def read_records(
     but not decoded unless ``decode_all``. While the iterator is open the cyclic GC is
     paused (:func:`paused_gc`); it resumes when the iterator ends, is closed or dropped.
     """
-    reader = _ChunkReader(stream, chunk_size)
+    reader = _ChunkReader(stream, chunk_size, expected.size + 1)
     reader.start()
     episode_ids: list[str] = []
     undecodable: str | None = None
@@ -324,28 +331,37 @@ def read_records(
                         episode_id = episode_id_of_line(line)
                         episode_ids.append(episode_id)
                         if scope is None or episode_id in scope:
-                            yield decode_line(line)
+                            yield decode_record(line, episode_id)
                         elif decode_all:
-                            decode_line(line)
+                            decode_record(line, episode_id)
                     except RecordUndecodable as exc:
                         undecodable = f"line {line_number}: {exc.reason}"
     finally:
         reader.cancel()
         reader.join()
     if reader.size != expected.size:
-        raise expected.fail(RecordsSizeMismatch, f"records file has {reader.size} bytes, manifest says {expected.size}")
+        more = "more than " if reader.size > expected.size else ""
+        raise expected.fail(
+            RecordsSizeMismatch,
+            f"records file has {more}{reader.size - (1 if more else 0)} bytes, manifest says {expected.size}",
+        )
     digest = reader.hasher.hexdigest()
     if digest != expected.sha256:
         raise expected.fail(RecordsDigestMismatch, f"records file hashes to {digest}, manifest says {expected.sha256}")
+    if undecodable is None and reader.size and reader.last_byte != b"\n":
+        undecodable = f"line {line_number}: the last line ends without a newline"
     if undecodable is not None:
         raise expected.fail(RecordUndecodable, undecodable)
+    episode_ids.sort()
+    repeated = next((earlier for earlier, later in itertools.pairwise(episode_ids) if earlier == later), None)
+    if repeated is not None:
+        raise expected.fail(DuplicateEpisode, f"episode {repeated!r} has more than one line")
     if line_number != expected.count:
         raise expected.fail(
             RecordCountMismatch,
             f"records file has {line_number} records, manifest says {expected.count}",
             in_manifest=True,
         )
-    episode_ids.sort()
     if tuple(episode_ids) != expected.episode_ids:
         extra = sorted(set(episode_ids) - set(expected.episode_ids))[:5]
         missing = sorted(set(expected.episode_ids) - set(episode_ids))[:5]

@@ -14,26 +14,44 @@ tested against itself::
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import io
 import json
 import math
+import os
+import struct
 import threading
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from gymckpt import errors
+from gymckpt.store import participant as participant_module
+from gymckpt.store import publication as publication_module
+from gymckpt.store.attacks import ATTACKS, INDEX_LIMIT, MANIFEST_LIMIT, AttackContext
+from gymckpt.store.backend import StorageBackend
 from gymckpt.store.checkpoint_store import CheckpointStore
-from gymckpt.store.manifest import MANIFEST_NAME
+from gymckpt.store.layout import MANIFEST_NAME
 from gymckpt.store.records import WriteStop
 from gymckpt.store.verify import Severity, verify_backend
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
+    from typing import BinaryIO
 
-    from gymckpt.store.backend import StorageBackend
+    from gymckpt.store.backend import BlobSink, EntryKind
 
-__all__ = ["CORRUPTIONS", "BackendTests", "assert_identical", "sample_records"]
+__all__ = [
+    "ATTACKS",
+    "CORRUPTIONS",
+    "BackendTests",
+    "OutsideWatch",
+    "RecordingBackend",
+    "assert_identical",
+    "sample_records",
+]
 
 
 def sample_records(count: int, *, prefix: str = "r", payload: int = 200) -> list[dict[str, Any]]:
@@ -235,11 +253,176 @@ CORRUPTIONS: dict[str, tuple[Callable[..., str], type[errors.InvalidCheckpointSt
 }
 
 
+class _CountingStream(io.RawIOBase):
+    """A read stream that adds what it hands out to its backend's count."""
+
+    def __init__(self, inner: BinaryIO, count: Callable[[int], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._count = count
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = self._inner.read(-1 if size is None else size)
+        self._count(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
+
+
+class RecordingBackend(StorageBackend):
+    """Passes every call to ``inner`` and records what was read, listed and written, and how much.
+
+    ``size_override`` makes :meth:`size` report other sizes (a file that grows after it was measured).
+    """
+
+    def __init__(self, inner: StorageBackend, size_override: dict[str, int] | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.size_override = dict(size_override or {})
+        self.reads: list[str] = []
+        self.writes: list[str] = []
+        #: the most bytes a single read of each path took
+        self.bytes_read: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    @property
+    def supports_directory_fsync(self) -> bool:
+        return self.inner.supports_directory_fsync
+
+    @property
+    def supports_conditional_create(self) -> bool:
+        return self.inner.supports_conditional_create
+
+    def _read(self, path: str) -> None:
+        with self._lock:
+            self.reads.append(path)
+
+    def _count(self, path: str) -> Callable[[int], None]:
+        """Counts one stream; ``bytes_read`` keeps the most any one read of ``path`` took."""
+        taken = 0
+
+        def count(size: int) -> None:
+            nonlocal taken
+            taken += size
+            with self._lock:
+                self.bytes_read[path] = max(self.bytes_read[path], taken)
+
+        return count
+
+    def open_sink(self, directory: str) -> BlobSink:
+        self.writes.append(directory)
+        return self.inner.open_sink(directory)
+
+    def open_read(self, path: str) -> BinaryIO:
+        self._read(path)
+        return _CountingStream(self.inner.open_read(path), self._count(path))  # type: ignore[return-value]
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.open_read(path) as stream:
+            return stream.read()
+
+    def create_if_absent(self, path: str, data: bytes) -> bool:
+        self.writes.append(path)
+        return self.inner.create_if_absent(path, data)
+
+    def exists(self, path: str) -> bool:
+        self._read(path)
+        return self.inner.exists(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        self._read(path)
+        return self.inner.list_dir(path)
+
+    def delete(self, path: str) -> None:
+        self.writes.append(path)
+        self.inner.delete(path)
+
+    def sync_directories(self, path: str, up_to: str = "") -> None:
+        self.writes.append(path)
+        self.inner.sync_directories(path, up_to)
+
+    def size(self, path: str) -> int:
+        self._read(path)
+        if path in self.size_override:
+            return self.size_override[path]
+        return self.inner.size(path)
+
+    def walk_files(self, path: str = "") -> Iterator[str]:
+        self._read(path)
+        return self.inner.walk_files(path)
+
+    def walk_entries(self, path: str = "") -> Iterator[tuple[str, EntryKind]]:
+        self._read(path)
+        return self.inner.walk_entries(path)
+
+
+class OutsideWatch:
+    """Linux inotify over a directory tree: whatever opens, reads, writes or creates there is seen.
+
+    The kernel queues an event when the call is made, so reading them afterwards needs no wait.
+    """
+
+    _MASK = 0x1 | 0x2 | 0x4 | 0x20 | 0x40 | 0x80 | 0x100 | 0x200  # access modify attrib open moved create delete
+
+    def __init__(self, root: str) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
+        self.watches: dict[int, str] = {}
+        directories = [directory for directory, _, _ in os.walk(root)]  # listed before watching: not an event
+        for directory in directories:
+            descriptor = self._libc.inotify_add_watch(self.fd, os.fsencode(directory), self._MASK)
+            if descriptor < 0:
+                raise OSError(ctypes.get_errno(), f"inotify_add_watch {directory} failed")
+            self.watches[descriptor] = directory
+
+    def events(self) -> list[tuple[str, int]]:
+        """``(path, mask)`` of everything that happened since the last call."""
+        found: list[tuple[str, int]] = []
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return found
+            offset = 0
+            while offset < len(data):
+                descriptor, mask, _, length = struct.unpack_from("iIII", data, offset)
+                name = data[offset + 16 : offset + 16 + length].rstrip(b"\0").decode()
+                found.append((os.path.join(self.watches.get(descriptor, "?"), name), mask))
+                offset += 16 + length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class BackendTests:
     """Tests every :class:`StorageBackend` must pass; subclass and fill in the hooks."""
 
     #: set False for backends whose sync_directories is a no-op by nature
     expects_directory_fsync: bool = True
+    #: True for POSIX filesystems, where symlinks, FIFOs and devices exist: the attack rows for them run
+    supports_special_files: bool = False
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Only the attack rows that apply to this backend (symlinks and FIFOs need a POSIX filesystem)."""
+        if "attack" in metafunc.fixturenames:
+            names = sorted(name for name, row in ATTACKS.items() if self.supports_special_files or not row.special)
+            metafunc.parametrize("attack", names)
+
+    def outside_directory(self, backend: Any) -> str | None:
+        """An empty directory outside the store's root (POSIX filesystems only), for symlink targets."""
+        return None
 
     @pytest.fixture
     def backend(self) -> StorageBackend:  # pragma: no cover - provided by subclasses
@@ -536,3 +719,63 @@ class BackendTests:
             "unfinished_commit",
         ]
         assert all(finding.severity is Severity.WARNING for finding in report.findings)
+
+    # --- the attack table: one thing done to a good checkpoint; refused, reported, nothing outside touched
+
+    def test_attack_is_refused_reported_and_touches_nothing_outside(
+        self, backend: StorageBackend, attack: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        row = ATTACKS[attack]
+        monkeypatch.setattr(participant_module, "MAX_MANIFEST_BYTES", MANIFEST_LIMIT)
+        monkeypatch.setattr(publication_module, "MAX_INDEX_BYTES", INDEX_LIMIT)
+        store = CheckpointStore(backend, chunk_size=1024)
+        env = store.write_participant(
+            "ck", kind="environment", instance="e0", checkpoint_id="c", records=sample_records(12)
+        )
+        agent = store.write_participant("ck", kind="agent", instance="a0", checkpoint_id="c", records=sample_records(6))
+        store.publish("ck", [env, agent])
+        assert verify_backend(backend).findings == []
+        ctx = AttackContext(self, backend, env, agent, self.outside_directory(backend))
+        expected = row.apply(ctx)
+        watch = OutsideWatch(ctx.outside) if ctx.outside is not None else None
+        recorder = RecordingBackend(backend, ctx.size_override)
+        reading = CheckpointStore(recorder, chunk_size=1024)
+
+        def read() -> list[dict[str, Any]]:
+            if row.read_index:
+                reading.read_index("ck")
+                return []
+            assert row.read is not None
+            kind, instance = row.read
+            return list(reading.read_participant("ck", kind=kind, instance=instance, scope=row.scope))
+
+        try:
+            if row.error is None:
+                restored = read()
+                if ctx.expect_records is not None:
+                    assert_identical(ctx.expect_records, restored)
+            else:
+                with pytest.raises(row.error) as raised:
+                    read()
+                assert raised.value.code == "invalid_checkpoint_state"
+            report = verify_backend(recorder)
+            found = sorted((finding.code, str(finding.severity), finding.path) for finding in report.findings)
+            assert found == sorted(expected), report.findings
+            assert report.ok is not any(severity == "error" for _, severity, _ in expected)
+            # advice that loses nothing: never delete a records file a published checkpoint needs
+            needed = {f"delete {env.records_path}", f"delete {agent.records_path}"}
+            assert not [finding for finding in report.findings if finding.fix in needed]
+            # nothing outside the checkpoint read, nothing written, every read bounded
+            assert recorder.writes == []
+            assert all(path in ("", "ck") or path.startswith("ck/") for path in recorder.reads), recorder.reads
+            for path, bound in ctx.read_bounds.items():
+                assert recorder.bytes_read[path] <= bound, (path, recorder.bytes_read[path], bound)
+            for path, count in recorder.bytes_read.items():
+                if path.endswith(MANIFEST_NAME):
+                    assert count <= MANIFEST_LIMIT + 1, (path, count)
+            if watch is not None:
+                events = watch.events()
+                assert events == [], f"outside the store's root was touched: {events}"
+        finally:
+            if watch is not None:
+                watch.close()

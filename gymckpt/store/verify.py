@@ -7,8 +7,6 @@ already reported damaged is not reported again by the checkpoint index check.
 
 from __future__ import annotations
 
-import hashlib
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -17,20 +15,23 @@ from gymckpt.errors import (
     CheckpointIndexInvalid,
     GymckptError,
     InvalidCheckpointState,
+    NotRegularFile,
     RecordsMissing,
     RecordsSizeMismatch,
 )
-from gymckpt.store._local import TEMP_PREFIX
 from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import backend_for_url
-from gymckpt.store.manifest import MANIFEST_NAME, RECORDS_NAME_PATTERN, Manifest
-from gymckpt.store.participant import expected_records, iter_manifest_records
-from gymckpt.store.publication import INDEX_NAME, parse_index
+from gymckpt.store.layout import GYM_DIR, MANIFEST_NAME, index_path, scan_checkpoints
+from gymckpt.store.participant import expected_records, iter_manifest_records, read_manifest_file
+from gymckpt.store.publication import index_problems, read_index_file
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     from gymckpt.store.backend import StorageBackend
+    from gymckpt.store.layout import CheckpointLayout, ParticipantLayout
+    from gymckpt.store.manifest import Manifest
+    from gymckpt.store.publication import CheckpointIndex
 
 __all__ = ["Finding", "NoCheckpointFound", "Severity", "VerifyReport", "scan_checkpoints", "verify", "verify_backend"]
 
@@ -118,29 +119,6 @@ class VerifyReport:
         }
 
 
-@dataclass
-class _CheckpointFiles:
-    index: str | None = None
-    participants: dict[tuple[str, str], list[str]] = field(default_factory=lambda: defaultdict(list))
-    stray: list[str] = field(default_factory=list)
-
-
-def scan_checkpoints(paths: Iterable[str]) -> dict[str, _CheckpointFiles]:
-    """Group store-relative file paths by checkpoint directory (the parent of ``gym/``)."""
-    found: dict[str, _CheckpointFiles] = defaultdict(_CheckpointFiles)
-    for path in paths:
-        parts = path.split("/")
-        if len(parts) >= 2 and parts[-2] == "gym":
-            checkpoint = "/".join(parts[:-2])
-            if parts[-1] == INDEX_NAME:
-                found[checkpoint].index = path
-            else:
-                found[checkpoint].stray.append(path)
-        elif len(parts) >= 4 and parts[-4] == "gym":
-            found["/".join(parts[:-4])].participants[(parts[-3], parts[-2])].append(path)
-    return dict(sorted(found.items()))
-
-
 def verify(
     url: str, *, quick: bool = False, progress: Callable[[int, int], None] | None = None, **storage_options: Any
 ) -> VerifyReport:
@@ -160,209 +138,223 @@ def verify(
 def verify_backend(
     backend: StorageBackend, *, quick: bool = False, progress: Callable[[int, int], None] | None = None
 ) -> VerifyReport:
-    """:func:`verify` on an open backend."""
+    """:func:`verify` on an open backend: the same scan and the same reads a restore uses."""
     report = VerifyReport(url=backend.url, quick=quick)
-    checkpoints = scan_checkpoints(backend.walk_files(""))
+    checkpoints = scan_checkpoints(backend.walk_entries(""))
     if not checkpoints:
         raise NoCheckpointFound(f"no checkpoint (no gym/ directory) under {backend.url}")
     report.checkpoints = list(checkpoints)
-    manifests: dict[str, dict[tuple[str, str], Manifest]] = {}
-    damaged: dict[str, set[tuple[str, str]]] = defaultdict(set)
-    for checkpoint, files in checkpoints.items():
-        manifests[checkpoint] = {}
-        for path in files.stray:
-            report.findings.append(_leftover(checkpoint, path, "") or _unexpected(checkpoint, path, ""))
-        for (kind, instance), paths in sorted(files.participants.items()):
-            summary = ParticipantSummary(checkpoint, kind, instance)
-            report.participants.append(summary)
-            manifest, manifest_damaged = _check_manifest(backend, report, checkpoint, kind, instance, paths)
-            if manifest_damaged:
-                damaged[checkpoint].add((kind, instance))
-            if manifest is None:
-                continue
-            summary.manifest = manifest
-            manifests[checkpoint][(kind, instance)] = manifest
-    total = sum(m.records_bytes for per in manifests.values() for m in per.values())
-    for checkpoint, per_checkpoint in manifests.items():
-        for key, manifest in per_checkpoint.items():
-            if not _check_records(backend, report, checkpoint, manifest, quick=quick, total=total, progress=progress):
-                damaged[checkpoint].add(key)
-    for checkpoint, files in checkpoints.items():
-        _check_index(backend, report, checkpoint, files, manifests[checkpoint], damaged[checkpoint])
+    checks = [_CheckpointCheck(backend, report, layout) for layout in checkpoints.values()]
+    for check in checks:
+        check.scan_and_manifests()
+    total = sum(check.records_bytes for check in checks)
+    for check in checks:
+        check.records(quick=quick, total=total, progress=progress)
+    for check in checks:
+        check.index_agreement()
     return report
 
 
-def _leftover(checkpoint: str, path: str, participant: str) -> Finding | None:
-    name = path.rpartition("/")[2]
-    if not name.startswith(TEMP_PREFIX):
-        return None
-    return Finding(
-        "leftover_temporary_file",
-        Severity.WARNING,
-        checkpoint,
-        path,
-        "a temporary file of a write that did not finish",
-        participant,
-        fix=f"delete {path}",
-    )
+class _CheckpointCheck:
+    """The phases of checking one checkpoint directory; one damage gives one finding."""
 
+    def __init__(self, backend: StorageBackend, report: VerifyReport, layout: CheckpointLayout) -> None:
+        self.backend = backend
+        self.report = report
+        self.layout = layout
+        self.checkpoint = layout.directory
+        self.irregular = {path for path, _, _ in layout.irregular}
+        self.manifests: dict[tuple[str, str], Manifest] = {}
+        self.damaged: set[tuple[str, str]] = set()
+        self.index: CheckpointIndex | None = None
+        #: records files a valid manifest does not name: (participant key, path)
+        self.orphans: list[tuple[tuple[str, str], str]] = []
 
-def _unexpected(checkpoint: str, path: str, participant: str) -> Finding:
-    return Finding("unexpected_file", Severity.WARNING, checkpoint, path, "a file gymckpt did not write", participant)
+    def add(self, code: str, severity: Severity, path: str, detail: str, participant: str = "", fix: str = "") -> None:
+        self.report.findings.append(Finding(code, severity, self.checkpoint, path, detail, participant, fix))
 
+    def add_error(self, exc: InvalidCheckpointState, participant: str = "") -> None:
+        self.add(exc.problem, Severity.ERROR, exc.path, exc.reason, exc.participant or participant)
 
-def _check_manifest(
-    backend: StorageBackend, report: VerifyReport, checkpoint: str, kind: str, instance: str, paths: list[str]
-) -> tuple[Manifest | None, bool]:
-    """Check a participant directory's manifest and other files; return (manifest, damaged)."""
-    participant = f"{kind}/{instance}"
-    manifest_path = join(checkpoint, "gym", kind, instance, MANIFEST_NAME)
-    manifest: Manifest | None = None
-    has_manifest = manifest_path in paths
-    if has_manifest:
-        try:
-            manifest = Manifest.parse(
-                backend.read_bytes(manifest_path), path=manifest_path, kind=kind, instance=instance
+    @property
+    def records_bytes(self) -> int:
+        return sum(manifest.records_bytes for manifest in self.manifests.values())
+
+    def scan_and_manifests(self) -> None:
+        layout = self.layout
+        for path, kind, participant in layout.irregular:
+            self.add(
+                NotRegularFile.problem,
+                Severity.ERROR,
+                path,
+                f"a {kind} where checkpoint state belongs: refused, never followed or read",
+                participant,
             )
+        for path in layout.temporary:
+            self.add_leftover(path, "")
+        for path, participant in layout.unexpected:
+            self.add_unexpected(path, participant)
+        self.read_index()
+        for key, files in sorted(layout.participants.items()):
+            self.report.participants.append(ParticipantSummary(self.checkpoint, *key))
+            self.participant(files)
+
+    def read_index(self) -> None:
+        path = index_path(self.checkpoint)
+        if self.layout.index is None or path in self.irregular:
+            return
+        try:
+            self.index = read_index_file(self.backend, path)
         except InvalidCheckpointState as exc:
-            report.findings.append(_from_error(checkpoint, exc, participant))
+            self.add_error(exc)
         except FileNotFoundError:
-            has_manifest = False  # deleted while we looked
-    if not has_manifest:
-        report.findings.append(
-            Finding(
+            self.add(CheckpointIndexInvalid.problem, Severity.ERROR, path, "checkpoint.json vanished while verify ran")
+
+    def listed(self, key: tuple[str, str]) -> bool:
+        return self.index is not None and any((entry.kind, entry.instance) == key for entry in self.index.participants)
+
+    def participant(self, files: ParticipantLayout) -> None:
+        key = (files.kind, files.instance)
+        participant = files.participant
+        manifest_path = join(files.directory, MANIFEST_NAME)
+        manifest: Manifest | None = None
+        if files.directory in self.irregular or manifest_path in self.irregular:
+            self.damaged.add(key)  # reported by the scan
+        elif files.manifest is not None:
+            try:
+                manifest = read_manifest_file(self.backend, manifest_path, kind=files.kind, instance=files.instance)
+            except InvalidCheckpointState as exc:
+                self.add_error(exc, participant)
+                self.damaged.add(key)
+            except FileNotFoundError:
+                files.manifest = None  # deleted while we looked
+        if manifest is None and key not in self.damaged and not self.listed(key):
+            self.add(
                 "unfinished_commit",
                 Severity.WARNING,
-                checkpoint,
-                join(checkpoint, "gym", kind, instance),
+                files.directory,
                 "participant directory without a manifest: a commit that did not finish",
                 participant,
             )
-        )
-    for path in sorted(paths):
-        if path == manifest_path:
-            continue
-        name = path.rpartition("/")[2]
-        leftover = _leftover(checkpoint, path, participant)
-        if leftover is not None:
-            report.findings.append(leftover)
-        elif not RECORDS_NAME_PATTERN.match(name):
-            report.findings.append(_unexpected(checkpoint, path, participant))
-        elif has_manifest and manifest is None:
-            continue  # the manifest is damaged (reported): which records it named is unknown
-        elif manifest is None or name != manifest.records_file:
-            report.findings.append(
-                Finding(
+        if manifest is not None:
+            self.manifests[key] = manifest
+            self.report.participants[-1].manifest = manifest
+        for path in files.temporary:
+            self.add_leftover(path, participant)
+        for path in files.unexpected:
+            self.add_unexpected(path, participant)
+        for path in files.records:
+            if manifest is not None and path == manifest.records_path:
+                continue
+            if manifest is not None:
+                self.orphans.append((key, path))  # the advice waits for the manifest's own records
+            elif key in self.damaged:
+                continue  # the manifest is damaged (reported): which records it named is unknown
+            elif self.listed(key):
+                self.add(
                     "orphaned_records",
                     Severity.WARNING,
-                    checkpoint,
                     path,
-                    "a records file no manifest names (a losing or unfinished writer)",
+                    "the manifest of this records file is missing, but checkpoint.json lists the participant: "
+                    "keep the file, it may be the only copy of the participant's state",
                     participant,
+                )
+            else:
+                self.add(
+                    "orphaned_records",
+                    Severity.WARNING,
+                    path,
+                    "a records file no manifest names (an unfinished commit's)",
+                    participant,
+                )
+
+    def add_leftover(self, path: str, participant: str) -> None:
+        self.add(
+            "leftover_temporary_file",
+            Severity.WARNING,
+            path,
+            "a temporary file of a write that did not finish",
+            participant,
+            fix=f"delete {path}",
+        )
+
+    def add_unexpected(self, path: str, participant: str) -> None:
+        self.add("unexpected_file", Severity.WARNING, path, "a file gymckpt did not write", participant)
+
+    def records(self, *, quick: bool, total: int, progress: Callable[[int, int], None] | None) -> None:
+        for key, manifest in list(self.manifests.items()):
+            if manifest.records_path in self.irregular:
+                self.damaged.add(key)  # reported by the scan
+                continue
+            if not self.records_intact(manifest, quick=quick, total=total, progress=progress):
+                self.damaged.add(key)
+        for key, path in self.orphans:
+            if key in self.damaged:  # the named records are damaged: this file may be the only good copy
+                self.add(
+                    "orphaned_records",
+                    Severity.WARNING,
+                    path,
+                    "a records file the manifest does not name; the manifest's own records are damaged, "
+                    "so keep it until the damage is understood",
+                    self.manifests[key].participant,
+                )
+            else:
+                self.add(
+                    "orphaned_records",
+                    Severity.WARNING,
+                    path,
+                    "a records file the manifest does not name (a losing writer's)",
+                    self.manifests[key].participant,
                     fix=f"delete {path}",
                 )
-            )
-    return manifest, has_manifest and manifest is None
 
+    def records_intact(
+        self, manifest: Manifest, *, quick: bool, total: int, progress: Callable[[int, int], None] | None
+    ) -> bool:
+        try:
+            if quick:
+                expected = expected_records(manifest)
+                try:
+                    size = self.backend.size(manifest.records_path)
+                except FileNotFoundError as exc:
+                    if isinstance(exc, InvalidCheckpointState):
+                        raise
+                    raise expected.fail(RecordsMissing, "records file is missing") from exc
+                if size != manifest.records_bytes:
+                    raise expected.fail(
+                        RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
+                    )
+            else:
+                advance = None if progress is None else (lambda done: progress(done, total))
+                for _ in iter_manifest_records(self.backend, manifest, scope=(), decode_all=True, progress=advance):
+                    pass
+                self.report.records_checked += manifest.record_count
+            self.report.bytes_checked += manifest.records_bytes
+            return True
+        except InvalidCheckpointState as exc:
+            self.add_error(exc, manifest.participant)
+            return False
 
-def _check_records(
-    backend: StorageBackend,
-    report: VerifyReport,
-    checkpoint: str,
-    manifest: Manifest,
-    *,
-    quick: bool,
-    total: int,
-    progress: Callable[[int, int], None] | None,
-) -> bool:
-    """Check the manifest's records file; True when it is intact."""
-    try:
-        if quick:
-            expected = expected_records(manifest)
-            try:
-                size = backend.size(manifest.records_path)
-            except FileNotFoundError as exc:
-                raise expected.fail(RecordsMissing, "records file is missing") from exc
-            if size != manifest.records_bytes:
-                raise expected.fail(
-                    RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
-                )
-        else:
-            advance = None if progress is None else (lambda done: progress(done, total))
-            for _ in iter_manifest_records(backend, manifest, scope=(), decode_all=True, progress=advance):
-                pass
-            report.records_checked += manifest.record_count
-        report.bytes_checked += manifest.records_bytes
-        return True
-    except InvalidCheckpointState as exc:
-        report.findings.append(_from_error(checkpoint, exc, manifest.participant))
-        return False
-
-
-def _check_index(
-    backend: StorageBackend,
-    report: VerifyReport,
-    checkpoint: str,
-    files: _CheckpointFiles,
-    manifests: dict[tuple[str, str], Manifest],
-    damaged: set[tuple[str, str]],
-) -> None:
-    if files.index is None:
-        report.findings.append(
-            Finding(
+    def index_agreement(self) -> None:
+        if join(self.checkpoint, GYM_DIR) in self.irregular:
+            return  # gym/ itself is refused: nothing below it was looked at
+        if index_path(self.checkpoint) in self.irregular:
+            return  # reported by the scan
+        if self.layout.index is None:
+            self.add(
                 "checkpoint_unpublished",
                 Severity.WARNING,
-                checkpoint,
-                join(checkpoint, "gym", INDEX_NAME),
+                index_path(self.checkpoint),
                 "no checkpoint.json: the checkpoint was committed but never published",
             )
-        )
-        return
-    try:
-        index = parse_index(backend.read_bytes(files.index), path=files.index)
-    except (InvalidCheckpointState, FileNotFoundError) as exc:
-        detail = exc.reason if isinstance(exc, InvalidCheckpointState) else "checkpoint.json vanished"
-        report.findings.append(Finding(CheckpointIndexInvalid.problem, Severity.ERROR, checkpoint, files.index, detail))
-        return
-    listed = {(entry.kind, entry.instance): entry for entry in index.participants}
-    for key, entry in sorted(listed.items()):
-        manifest = manifests.get(key)
-        if key in damaged:
-            continue
-        if manifest is None:
-            report.findings.append(
-                Finding(
-                    "index_participant_missing",
-                    Severity.ERROR,
-                    checkpoint,
-                    join(checkpoint, entry.manifest),
-                    "checkpoint.json lists a participant whose manifest is missing",
-                    entry.participant,
-                )
-            )
-        elif hashlib.sha256(manifest.raw).hexdigest() != entry.manifest_sha256:
-            report.findings.append(
-                Finding(
-                    "index_digest_mismatch",
-                    Severity.ERROR,
-                    checkpoint,
-                    manifest.path,
-                    f"manifest hashes to {manifest.sha256}, checkpoint.json says {entry.manifest_sha256}",
-                    entry.participant,
-                )
-            )
-    for key in sorted(set(manifests) - set(listed) - damaged):
-        report.findings.append(
-            Finding(
-                "index_participant_unlisted",
-                Severity.ERROR,
-                checkpoint,
-                manifests[key].path,
-                "a committed participant that checkpoint.json does not list",
-                manifests[key].participant,
-            )
-        )
-
-
-def _from_error(checkpoint: str, exc: InvalidCheckpointState, participant: str) -> Finding:
-    return Finding(exc.problem, Severity.ERROR, checkpoint, exc.path, exc.reason, exc.participant or participant)
+            return
+        if self.index is None:
+            return  # unreadable or not a regular file: reported
+        refused = [path + "/" for path in self.irregular]
+        hidden = {  # listed participants below a refused directory: that refusal is their finding
+            (entry.kind, entry.instance)
+            for entry in self.index.participants
+            if any(join(self.checkpoint, entry.manifest).startswith(prefix) for prefix in refused)
+        }
+        for problem in index_problems(self.index, self.checkpoint, self.manifests, damaged=self.damaged | hidden):
+            self.add_error(problem)
