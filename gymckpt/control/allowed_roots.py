@@ -1,4 +1,10 @@
-"""Where a request's ``checkpoint_dir`` may point (the ``allowed_roots`` setting, C2)."""
+"""Where a request's ``checkpoint_dir`` may point (the ``allowed_roots`` setting, C2).
+
+Local paths and ``file://`` URLs are compared as resolved real paths (symlinks followed,
+:func:`os.path.realpath`), roots and directories alike, so a symlink inside an allowed root
+that points outside it is refused; the store is then opened on the resolved path, so the
+check and the write see the same directory.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,12 @@ __all__ = ["check_allowed", "normalize_location"]
 
 
 def normalize_location(location: str) -> str:
-    """A comparable form: absolute normalized path, or ``scheme://`` + normalized key path."""
+    """A comparable form: the resolved real path (local), or ``scheme://`` + normalized key path."""
     scheme, sep, rest = location.partition("://")
     if not sep:
-        return os.path.normpath(os.path.abspath(location))
+        return os.path.realpath(location)
     if scheme == "file":
-        return os.path.normpath(os.path.abspath(rest))
+        return os.path.realpath(rest)
     parts = rest.split("/")
     if any(part in ("..", ".") for part in parts):
         raise CheckpointDirNotAllowed(
@@ -29,24 +35,28 @@ def normalize_location(location: str) -> str:
 DEFAULT_SCHEMES = frozenset({"file", "s3", "s3a"})
 
 
-def check_allowed(checkpoint_dir: str, allowed_roots: list[str] | None) -> None:
-    """Refuse ``checkpoint_dir`` outside every allowed root.
+def check_allowed(checkpoint_dir: str, allowed_roots: list[str] | None) -> str:
+    """Refuse ``checkpoint_dir`` outside every allowed root; return the location to open.
 
-    Without the setting, local paths, ``file://`` and ``s3://`` URLs are allowed; any other
-    scheme (``zip://``, ``ftp://``, ``github://``…) must be named by an allowed root.
+    Without the setting, local paths, ``file://`` and ``s3://`` URLs are allowed (and
+    returned as given); any other scheme (``zip://``, ``ftp://``, ``github://``…) must be
+    named by an allowed root. With it, a local path or ``file://`` URL is returned resolved
+    (the real path that was checked, ``file://`` kept), any other URL as given.
     """
+    scheme, sep, _ = checkpoint_dir.partition("://")
     if allowed_roots is None:
-        scheme, sep, _ = checkpoint_dir.partition("://")
         if sep and scheme not in DEFAULT_SCHEMES:
             raise CheckpointDirNotAllowed(
                 f"checkpoint_dir scheme {scheme!r} is not allowed; name it in the setting checkpoint.allowed_roots"
             )
-        return
+        return checkpoint_dir
     target = normalize_location(checkpoint_dir)
     for root in allowed_roots:
         base = normalize_location(root)
         if target == base or target.startswith(base.rstrip("/") + "/"):
-            return
+            if not sep:
+                return target
+            return f"file://{target}" if scheme == "file" else checkpoint_dir
     raise CheckpointDirNotAllowed(
         f"checkpoint_dir {checkpoint_dir!r} lies outside the setting checkpoint.allowed_roots ({allowed_roots})"
     )

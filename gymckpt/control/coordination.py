@@ -40,12 +40,6 @@ _RETIRE_GROUPS = (("environment",), ("agent",), ("model", "resources"))
 #: extra seconds a call may take past its deadline so the server's own deadline reply arrives
 _REPLY_SLACK = 5.0
 
-_ERRORS_BY_CODE: dict[str, type[errors.GymckptError]] = {}
-for _name in errors.__all__:
-    _cls = getattr(errors, _name)
-    if isinstance(_cls, type) and issubclass(_cls, errors.GymckptError) and "code" in _cls.__dict__:
-        _ERRORS_BY_CODE.setdefault(_cls.code, _cls)
-
 
 class ServerCallFailed(errors.GymckptError):
     """A control call failed without a typed error (connection refused, timeout, garbage reply)."""
@@ -192,7 +186,7 @@ class Coordinator:
         if status >= 400:
             error = payload.get("error", {}) if isinstance(payload, dict) else {}
             code = str(error.get("code", "unknown"))
-            cls = _ERRORS_BY_CODE.get(code, ServerCallFailed)
+            cls = errors.error_for_code(code) or ServerCallFailed
             raised = cls(f"{url}: {op}: {error.get('detail', raw[:200])}")
             raised.server = url  # type: ignore[attr-defined]
             raised.wire_code = code  # type: ignore[attr-defined]

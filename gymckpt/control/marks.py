@@ -6,10 +6,17 @@ import re
 
 from gymckpt.errors import InvalidRolloutId, StaleAttempt
 
-__all__ = ["RetireMarks", "capture_key", "split_capture_key"]
+__all__ = ["RetireMarks", "capture_key", "first_keys", "split_capture_key"]
 
 MAX_ATTEMPT_DIGITS = 9
 _ATTEMPT_SUFFIX = re.compile(r"^(?P<rollout>.+)-a(?P<attempt>[0-9]+)$")
+
+
+def first_keys(keys: list[str], limit: int = 5) -> str:
+    """``'a', 'b' (and 3 more)``: the episodes an error names when it cannot name just one."""
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    more = len(keys) - limit
+    return f"{shown} (and {more} more)" if more > 0 else shown or "no episode"
 
 
 def split_capture_key(key: str) -> tuple[str, int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.control.allowed_roots import check_allowed
-from gymckpt.control.marks import RetireMarks, capture_key, split_capture_key
+from gymckpt.control.marks import RetireMarks, capture_key, first_keys, split_capture_key
 from gymckpt.control.models import (
     CommitReply,
     ForgetReply,
@@ -34,6 +34,7 @@ from gymckpt.errors import (
     DeadlineExceeded,
     ExportFailed,
     GymckptError,
+    InvalidCheckpointState,
     InvalidPhase,
     InvalidRolloutId,
     RestartInScope,
@@ -41,6 +42,7 @@ from gymckpt.errors import (
     UnsupportedStorage,
 )
 from gymckpt.store import WriteStop, open_store
+from gymckpt.store.layout import check_name
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -112,6 +114,8 @@ class ControlPlane:
         allowed_roots: list[str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        check_name("kind", participant.kind)  # the names its state is stored under: refused at startup, not at commit
+        check_name("instance", participant.instance)
         self.participant = participant
         self.lease_grace_seconds = lease_grace_seconds
         self.storage_options = dict(storage_options or {})
@@ -130,6 +134,8 @@ class ControlPlane:
         self._retire_tasks: dict[frozenset[str], asyncio.Task[None]] = {}
         self._readiness = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
+        #: set whenever the lease changes, so the watcher never sleeps past a shorter one
+        self._lease_changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         participant.add_readiness_listener(self._readiness_changed)
 
@@ -186,9 +192,13 @@ class ControlPlane:
         return current
 
     def _store_for(self, checkpoint_dir: str) -> CheckpointStore:
-        check_allowed(checkpoint_dir, self.allowed_roots)
+        """Open the store of one commit or restore (its task closes it when it ends).
+
+        A local directory is opened at the real path ``allowed_roots`` was checked against.
+        """
+        location = check_allowed(checkpoint_dir, self.allowed_roots)
         try:
-            return open_store(checkpoint_dir, **self.storage_options)
+            return open_store(location, **self.storage_options)
         except GymckptError:
             raise
         except Exception as exc:
@@ -197,6 +207,7 @@ class ControlPlane:
     def _extend_lease(self, deadline_ts: float) -> None:
         self.lease_expires_at = deadline_ts + self.lease_grace_seconds
         self._loop = asyncio.get_running_loop()
+        self._lease_changed.set()  # the watcher recomputes its wait: the lease may now end sooner
         if self._lease_task is None or self._lease_task.done():
             self._lease_task = asyncio.create_task(self._watch_lease(), name="gymckpt-lease")
 
@@ -329,6 +340,13 @@ class ControlPlane:
         self.phase = Phase.PREPARED
 
     async def _run_commit(self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str]) -> CommitReply:
+        """The commit task: export (once), store, clean up; the store it was given is closed at its end."""
+        try:
+            return await self._commit_into(checkpoint, store, scope)
+        finally:
+            await _close_store(store)
+
+    async def _commit_into(self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str]) -> CommitReply:
         if checkpoint.export_task is None:
             checkpoint.export_task = _spawn(self._export(scope), "gymckpt-export")
         try:
@@ -508,16 +526,36 @@ class ControlPlane:
         next_keys = {key: capture_key(*_next(key)) for key in scope}
         installed_scope = sorted(next_keys.values())
         try:
-            await participant.close_admission()
-            records = await asyncio.to_thread(
-                _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
-            )
-            await participant.install(records, installed_scope)
+            try:
+                await participant.close_admission()
+                records = await asyncio.to_thread(
+                    _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
+                )
+            finally:
+                await _close_store(store)
+            await self._install(records, installed_scope)
         except BaseException:
             await self._fail_restore()
             raise
         self._restored_keys = set(installed_scope)
         return RestoreReply(phase=Phase.RESTORED, source_checkpoint_id=checkpoint_id, restored=installed_scope)
+
+    async def _install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+        """``participant.install``; a failure that is no gymckpt error is ``invalid_checkpoint_state`` (422).
+
+        Participants name the episode whose record they could not install; this names the
+        scope's first episodes when the failure came from elsewhere.
+        """
+        participant = self.participant
+        try:
+            await participant.install(records, scope)
+        except GymckptError:
+            raise
+        except Exception as exc:
+            raise InvalidCheckpointState(
+                f"the restored records of {first_keys(scope)} could not be installed: {type(exc).__name__}: {exc}",
+                participant=f"{participant.kind}/{participant.instance}",
+            ) from exc
 
     # --- lease
 
@@ -525,7 +563,10 @@ class ControlPlane:
         while self.lease_expires_at is not None:
             delay = self.lease_expires_at - self.clock()
             if delay > 0:
-                await asyncio.sleep(min(delay, LEASE_RETRY_SECONDS))
+                # woken early by any lease change (a renew or prepare with an earlier deadline)
+                self._lease_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._lease_changed.wait(), timeout=min(delay, LEASE_RETRY_SECONDS))
                 continue
             try:
                 await self.expire_lease()
@@ -554,6 +595,14 @@ class ControlPlane:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._lease_task
+
+
+async def _close_store(store: CheckpointStore) -> None:
+    """Close a commit's or restore's store off the loop (an S3 client's close blocks); never raises."""
+    try:
+        await asyncio.to_thread(store.close)
+    except Exception:
+        logger.warning("closing the checkpoint store %s failed", store.url, exc_info=True)
 
 
 async def _settled(task: asyncio.Task[Any]) -> None:

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-__all__ = ["CheckpointSettings", "GymckptSettings", "load_settings"]
+__all__ = ["CheckpointSettings", "GymckptSettings", "load_settings", "read_yaml_file"]
 
 
 class CheckpointSettings(BaseModel):
@@ -74,17 +74,28 @@ class GymckptSettings(BaseSettings):
         return env_settings, init_settings
 
 
+def read_yaml_file(path: str | Path) -> Any:
+    """A YAML file's content; unparseable YAML is ``ValueError("<file>: invalid YAML at line L, column C: …")``."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: invalid YAML{where}: {getattr(exc, 'problem', None) or exc}") from exc
+
+
 def load_settings(source: str | Path | dict[str, Any] | None = None) -> GymckptSettings:
     """Settings from a YAML file, a dict (with a top-level ``checkpoint`` key) or nothing.
 
-    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the bad field.
+    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the bad field, and
+    ``ValueError("<file>: invalid YAML at line L, column C: …")`` for a file YAML cannot parse.
     """
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, dict):
         data = source
     else:
-        loaded = yaml.safe_load(Path(source).read_text()) or {}
+        loaded = read_yaml_file(source) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{source}: settings must be a mapping with a 'checkpoint:' block")
         data = loaded

@@ -44,8 +44,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from gymckpt.control.marks import split_capture_key
-from gymckpt.errors import RolloutIdRequired, SessionBusy, StaleAttempt
+from gymckpt.control.marks import first_keys, split_capture_key
+from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, SessionBusy, StaleAttempt
 from gymckpt.participants.identity import EpisodeId
 from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeEnded, EpisodeRegistry, StepMode
@@ -333,6 +333,10 @@ class _AgentParticipantBase(RegistryParticipant):
     async def _retire_hook(self, key: str) -> None:
         """Free the agent's own state of ``key``."""
 
+    @property
+    def _participant_name(self) -> str:
+        return f"{self.kind}/{self.instance}"
+
 
 class AgentSessionParticipant(_AgentParticipantBase):
     """An agent with session hooks: sessions and legacy runs are exported and restored."""
@@ -373,7 +377,9 @@ class AgentSessionParticipant(_AgentParticipantBase):
                 key = record["episode_id"]
                 kind = record.get("kind", SESSION)
                 if kind not in (SESSION, RUN):
-                    raise ValueError(f"agent record {key!r} has an unknown kind {kind!r}")
+                    raise InvalidCheckpointState(
+                        f"agent record {key!r} has an unknown kind {kind!r}", participant=self._participant_name
+                    )
                 boundary = record.get("boundary")
                 episode = self.registry.get(key)
                 if episode is not None and episode.restored and key not in self._active:
@@ -384,11 +390,23 @@ class AgentSessionParticipant(_AgentParticipantBase):
                     self._kinds[key] = kind
                     begun.append(key)
                 else:
-                    raise ValueError(f"agent episode {key!r} is already live; it cannot be restored")
+                    raise InvalidCheckpointState(
+                        f"agent episode {key!r} is already live; it cannot be restored",
+                        participant=self._participant_name,
+                    )
                 if kind == SESSION:
                     states[key] = {"state": record.get("state"), "boundary": boundary}
             if states:
-                await self.hooks.restore_agent_sessions(states)
+                try:
+                    await self.hooks.restore_agent_sessions(states)
+                except GymckptError:
+                    raise
+                except Exception as exc:
+                    raise InvalidCheckpointState(
+                        f"restore_agent_sessions refused the restored sessions of {first_keys(list(states))}: "
+                        f"{type(exc).__name__}: {exc}",
+                        participant=self._participant_name,
+                    ) from exc
         except BaseException:
             for key in begun:
                 self._end(key)

@@ -100,6 +100,7 @@ class EnvironmentParticipant(RegistryParticipant):
         ]
 
     async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+        """Every record is checked before any is installed: a bad one fails the restore naming its episode."""
         for record in records:
             key = record["episode_id"]
             digest = record.get("task_digest")
@@ -107,9 +108,11 @@ class EnvironmentParticipant(RegistryParticipant):
                 raise InvalidCheckpointState(
                     f"environment record of {key!r} lacks task_digest or boundary", participant=self.participant
                 )
+        for record in records:
+            key = record["episode_id"]
             if self.registry.get(key) is None:
                 self.registry.begin(key, restored_boundary=record["boundary"], restored=True)
-                self._digests[key] = digest
+                self._digests[key] = record["task_digest"]
 
     async def retire(self, episode_ids: list[str]) -> None:
         latest: dict[str, int] = {}

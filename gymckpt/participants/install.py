@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+import multiprocessing
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import install_control
@@ -10,11 +13,61 @@ from gymckpt.control.settings import CheckpointSettings, GymckptSettings
 from gymckpt.participants.rollout import RolloutPrefixMiddleware
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
     from fastapi import FastAPI
 
     from gymckpt.control.participant import Participant
 
-__all__ = ["install_checkpointing"]
+__all__ = ["SeveralWorkersError", "install_checkpointing", "refuse_several_workers", "uvicorn_worker_count"]
+
+logger = logging.getLogger("gymckpt.participants")
+
+
+class SeveralWorkersError(RuntimeError):
+    """Checkpointing is on in a process that is one of several uvicorn workers of one server."""
+
+
+def uvicorn_worker_count() -> int:
+    """How many uvicorn workers serve this server: 1 unless this process is a ``--workers N`` worker.
+
+    uvicorn's multiprocess supervisor starts each worker as a ``spawn`` process whose target
+    is ``uvicorn._subprocess.subprocess_started`` with the server's ``Config`` (and its
+    ``workers``, from ``--workers`` or ``WEB_CONCURRENCY``) among the keyword arguments; the
+    worker's :func:`multiprocessing.current_process` is that process object.
+    """
+    process = multiprocessing.current_process()
+    target = getattr(process, "_target", None)
+    kwargs = getattr(process, "_kwargs", None)
+    if getattr(target, "__module__", None) != "uvicorn._subprocess" or not isinstance(kwargs, dict):
+        return 1
+    workers = getattr(kwargs.get("config"), "workers", 1)
+    return workers if isinstance(workers, int) and workers > 1 else 1
+
+
+def refuse_several_workers() -> None:
+    """Raise :class:`SeveralWorkersError` when this process is one of several uvicorn workers."""
+    workers = uvicorn_worker_count()
+    if workers > 1:
+        raise SeveralWorkersError(
+            f"checkpointing supports one worker per server today, but this server runs {workers} uvicorn "
+            "workers (each control call would reach an arbitrary one): run it with --workers 1 (and no "
+            "WEB_CONCURRENCY above 1), or turn checkpoint.enabled off. Several uvicorn workers per server "
+            "is the planned gymckpt.workers feature."
+        )
+
+
+def _refuse_several_workers_at_startup(app: FastAPI) -> None:
+    """Check at lifespan startup (a failed startup makes uvicorn exit), before the app's own lifespan."""
+    inner = app.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[Any]:
+        refuse_several_workers()
+        async with inner(app) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan
 
 
 def install_checkpointing(
@@ -28,6 +81,12 @@ def install_checkpointing(
     block = settings.checkpoint if isinstance(settings, GymckptSettings) else settings
     if block is None or not block.enabled:
         return None
+    if block.allowed_roots is None:
+        logger.warning(
+            "checkpointing is on without checkpoint.allowed_roots: whoever holds the control token can make "
+            "this server write (commit) or read (restore) any path the process can write; set "
+            "checkpoint.allowed_roots to the directories (or URL prefixes) checkpoints may use"
+        )
     plane = ControlPlane(
         participant,
         lease_grace_seconds=block.lease_grace_seconds,
@@ -42,4 +101,5 @@ def install_checkpointing(
         app.add_middleware(middleware, participant=participant)
     app.add_middleware(RolloutPrefixMiddleware)
     install_control(app, plane, block.token)
+    _refuse_several_workers_at_startup(app)
     return plane

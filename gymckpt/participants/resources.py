@@ -8,7 +8,8 @@ request as a whole, so no request body is ever inspected:
 
 - Every data request must carry the rollout prefix (``/ng-rollout/<capture key>/…``);
   one without it is ``rollout_id_required`` (400), one of a retired attempt is
-  ``stale_attempt`` (409). Control routes and the API docs are not fenced.
+  ``stale_attempt`` (409). Control routes, health probes and the API docs
+  (:data:`~gymckpt.participants.rollout.UNFENCED_PATHS`) are not fenced.
 - The session lifecycle comes from the paths: a successful ``/seed_session`` starts the
   session of the request's capture key; a successful ``/verify`` or ``/close_session``
   ends it. A server whose sessions also start elsewhere (a tool call on an unknown
@@ -51,12 +52,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from starlette.responses import JSONResponse
 
-from gymckpt.control.marks import split_capture_key
+from gymckpt.control.marks import first_keys, split_capture_key
 from gymckpt.control.models import error_body
 from gymckpt.control.participant import Participant
-from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.errors import GymckptError, RolloutIdRequired, StaleAttempt
-from gymckpt.participants.rollout import SESSION_HEADER, current_episode
+from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, StaleAttempt
+from gymckpt.participants.rollout import SESSION_HEADER, current_episode, is_unfenced
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -163,8 +163,6 @@ class ResourcesParticipant(Participant):
     """The checkpoint side of one resources server (see the module notes)."""
 
     kind = "resources"
-    #: paths that are neither fenced nor counted (the API docs); control routes never are
-    unfenced_paths: ClassVar[frozenset[str]] = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
     def __init__(self, server: CheckpointedResources, instance: str = "resources-0") -> None:
         mode, verify = server.checkpoint_mode, server.checkpoint_verify
@@ -368,13 +366,26 @@ class ResourcesParticipant(Participant):
         return records
 
     async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
-        """Hand restored states to ``restore_session_states``; they are live sessions from now on."""
+        """Hand restored states to ``restore_session_states``; they are live sessions from now on.
+
+        The hook takes every state at once: when it raises something that is no gymckpt
+        error, the restore is ``invalid_checkpoint_state`` naming the first episodes handed over.
+        """
         if self.mode != "exported":
             return
         states = {record["episode_id"]: record.get("state") for record in records}
         if not states:
             return
-        await self.server.restore_session_states(states)
+        try:
+            await self.server.restore_session_states(states)
+        except GymckptError:
+            raise
+        except Exception as exc:
+            raise InvalidCheckpointState(
+                f"restore_session_states refused the restored states of {first_keys(list(states))}: "
+                f"{type(exc).__name__}: {exc}",
+                participant=f"{self.kind}/{self.instance}",
+            ) from exc
         for key in states:
             self._sessions[key] = None
             self._untouched.add(key)
@@ -444,12 +455,7 @@ class ResourcesMiddleware:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         participant = self.participant
         path = scope.get("path", "")
-        if (
-            scope["type"] != "http"
-            or path.startswith(CONTROL_PREFIX + "/")
-            or path == CONTROL_PREFIX
-            or path in participant.unfenced_paths
-        ):
+        if scope["type"] != "http" or is_unfenced(path):
             await self.app(scope, receive, send)
             return
         episode = current_episode()

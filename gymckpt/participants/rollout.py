@@ -14,17 +14,39 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import JSONResponse
 
 from gymckpt.control.models import error_body
+from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.errors import InvalidRolloutId
 from gymckpt.participants.identity import ROLLOUT_PREFIX, EpisodeId, split_rollout_path
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["SESSION_HEADER", "RolloutPrefixMiddleware", "SessionHeaderMiddleware", "current_episode", "episode_context"]
+__all__ = [
+    "SESSION_HEADER",
+    "UNFENCED_PATHS",
+    "RolloutPrefixMiddleware",
+    "SessionHeaderMiddleware",
+    "current_episode",
+    "episode_context",
+    "is_unfenced",
+]
 
 #: with checkpointing off there is no rollout prefix: the reference servers name the episode
 #: (their session) in this header instead
 SESSION_HEADER = "x-session-id"
+
+#: requests that are not rollout work: never refused for lacking a rollout, never counted or
+#: held by admission (health probes and the API docs). The one list every participant's
+#: fencing consults; the control routes (under ``CONTROL_PREFIX``) are never fenced either.
+UNFENCED_PATHS: frozenset[str] = frozenset(
+    {"/health", "/healthz", "/livez", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
+
+
+def is_unfenced(path: str) -> bool:
+    """True for a path no participant fences: a control route, a probe or the API docs."""
+    return path in UNFENCED_PATHS or path == CONTROL_PREFIX or path.startswith(CONTROL_PREFIX + "/")
+
 
 _CURRENT: ContextVar[EpisodeId | None] = ContextVar("gymckpt_rollout_episode", default=None)
 

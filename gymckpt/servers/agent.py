@@ -40,7 +40,14 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from gymckpt.control.models import error_body
-from gymckpt.errors import AgentError, AgentRequestError, GymckptError, InvalidRolloutId, RestoredInputMismatch
+from gymckpt.errors import (
+    AgentError,
+    AgentRequestError,
+    GymckptError,
+    InvalidCheckpointState,
+    InvalidRolloutId,
+    RestoredInputMismatch,
+)
 from gymckpt.participants.agent import (
     RUN,
     AgentSessionParticipant,
@@ -338,12 +345,22 @@ class SimpleAgent:
         return {key: self.sessions[key].settings for key in keys if key in self.sessions}
 
     async def restore_agent_sessions(self, states: Mapping[str, Any]) -> None:
-        """Rebuild sessions from their settings and boundaries."""
+        """Rebuild sessions from their settings and boundaries, all or none.
+
+        A boundary that describes no conversation is ``invalid_checkpoint_state`` naming its session.
+        """
+        restored: dict[str, _Session] = {}
         for key, entry in states.items():
-            conversation = _Conversation.from_boundary(entry.get("boundary"))
+            try:
+                conversation = _Conversation.from_boundary(entry.get("boundary"))
+            except (AgentError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
+                raise InvalidCheckpointState(
+                    f"the restored conversation of agent session {key!r} cannot be used: {exc}"
+                ) from exc
             conversation.restored = True
             settings = entry.get("state")
-            self.sessions[key] = _Session(dict(settings) if isinstance(settings, dict) else {}, conversation)
+            restored[key] = _Session(dict(settings) if isinstance(settings, dict) else {}, conversation)
+        self.sessions.update(restored)
 
     async def retire_agent_session(self, key: str) -> None:
         """Forget the session."""

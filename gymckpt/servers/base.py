@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import orjson
-import yaml
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from gymckpt.control.settings import CheckpointSettings, GymckptSettings
+from gymckpt.control.settings import CheckpointSettings, GymckptSettings, read_yaml_file
 from gymckpt.participants.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
+    from pathlib import Path
 
     from gymckpt.control.participant import Participant
     from gymckpt.control.plane import ControlPlane
     from gymckpt.participants.identity import EpisodeId
 
-__all__ = ["Downstream", "DownstreamError", "ServerConfig", "build_app", "load_server_config"]
+__all__ = [
+    "HEALTH_PATH",
+    "Downstream",
+    "DownstreamError",
+    "ServerConfig",
+    "add_health_route",
+    "build_app",
+    "load_server_config",
+]
 
 C = TypeVar("C", bound="ServerConfig")
 
@@ -40,13 +47,16 @@ class ServerConfig(BaseModel):
 
 
 def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None = None) -> C:
-    """Read ``cls`` from a YAML file or dict; ``GYMCKPT_CHECKPOINT__…`` variables override the block."""
+    """Read ``cls`` from a YAML file or dict; ``GYMCKPT_CHECKPOINT__…`` variables override the block.
+
+    A file YAML cannot parse raises ``ValueError("<file>: invalid YAML at line L, column C: …")``.
+    """
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, dict):
         data = dict(source)
     else:
-        loaded = yaml.safe_load(Path(source).read_text()) or {}
+        loaded = read_yaml_file(source) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{source}: a server config must be a mapping")
         data = loaded
@@ -115,6 +125,18 @@ class Downstream:
             self._session = None
 
 
+#: every reference server answers ``GET /health`` with ``{"status": "ok"}``, checkpointing on or off
+HEALTH_PATH = "/health"
+
+
+def add_health_route(app: FastAPI) -> None:
+    """``GET /health`` → 200 ``{"status": "ok"}``: a probe, never fenced (``UNFENCED_PATHS``)."""
+
+    @app.get(HEALTH_PATH, tags=["health"])
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+
 def build_app(
     title: str,
     config: ServerConfig,
@@ -135,6 +157,7 @@ def build_app(
                 await result
 
     app = FastAPI(title=title, lifespan=lifespan)
+    add_health_route(app)
     plane = install_checkpointing(app, participant, config.checkpoint) if participant is not None else None
     if not config.checkpoint.enabled:
         app.add_middleware(SessionHeaderMiddleware)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
 from pydantic import BaseModel, ConfigDict, Field
 
+from gymckpt.errors import InvalidCheckpointState
 from gymckpt.participants.resources import (
     CheckpointedResources,
     CheckpointMode,
@@ -109,13 +110,32 @@ class CounterServer(CheckpointedResources):
         return {key: dict(sessions[key]) for key in session_ids if key in sessions}
 
     async def restore_session_states(self, states: dict[str, Any]) -> None:
-        """Install restored counters under their (next-attempt) keys."""
-        for key, state in states.items():
-            self.sessions[key] = {"count": int(state["count"]), "calls": int(state["calls"])}
+        """Install restored counters under their (next-attempt) keys, all or none.
+
+        A state that is not ``{"count": int, "calls": int}`` is ``invalid_checkpoint_state``
+        naming its session; nothing is installed then.
+        """
+        restored = {key: _counter_state(key, state) for key, state in states.items()}
+        self.sessions.update(restored)
 
     async def retire_session_state(self, session_id: str) -> None:
         """Free the session, if held."""
         self.sessions.pop(session_id, None)
+
+
+def _counter_state(key: str, state: Any) -> dict[str, int]:
+    """A restored session state, checked: integer ``count`` and ``calls`` (booleans are not counts)."""
+    if not isinstance(state, dict):
+        raise InvalidCheckpointState(f"the counter state of session {key!r} is not an object: {type(state).__name__}")
+    checked: dict[str, int] = {}
+    for name in ("count", "calls"):
+        value = state.get(name)
+        if type(value) is not int:
+            raise InvalidCheckpointState(
+                f"the counter state of session {key!r} has no integer {name!r} (got {value!r:.80})",
+            )
+        checked[name] = value
+    return checked
 
 
 def build_counter_app(config: CounterConfig, server: CounterServer | None = None) -> FastAPI:

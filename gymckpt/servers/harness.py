@@ -38,11 +38,14 @@ def default_stack_spec(
     token_delay_seconds: float = 0.01,
     tool_turns: int = 3,
     resources: str = "counter",
+    allowed_roots: list[str] | None = None,
 ) -> dict[str, Any]:
     """The reference stack: inference, model, a resources server, the agent, the environment."""
     checkpoint: dict[str, Any] = {"enabled": True, "control_auth_token": token}
     if storage_options:
         checkpoint["storage_options"] = storage_options
+    if allowed_roots:
+        checkpoint["allowed_roots"] = allowed_roots
     return {
         "checkpoint": checkpoint,
         "servers": [

@@ -8,7 +8,7 @@ server's workers with it) and started again serves the same port.
 A stack file::
 
     host: 127.0.0.1
-    checkpoint: {enabled: true, control_auth_token: secret}   # given to every Gym server
+    checkpoint: {enabled: true, control_auth_token: secret, allowed_roots: [./checkpoints]}   # every Gym server
     servers:
       - {name: inference, kind: inference}
       - {name: model, kind: model, config: {inference_url: "{inference}"}}
@@ -34,12 +34,14 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from gymckpt.control.settings import read_yaml_file
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from gymckpt.servers.base import ServerConfig
 
-__all__ = ["KINDS", "ServerProcess", "Stack", "build_server", "load_stack"]
+__all__ = ["KINDS", "ServerProcess", "Stack", "app_from_env", "build_server", "load_stack"]
 
 #: server kind → (module, config class, app builder); imported when used
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -64,6 +66,18 @@ def build_server(kind: str, config: str | Path | dict[str, Any] | None) -> tuple
     module = importlib.import_module(module_name)
     loaded = load_server_config(getattr(module, config_name), config)
     return getattr(module, builder_name)(loaded), loaded
+
+
+def app_from_env() -> FastAPI:
+    """An app factory for ``uvicorn --factory gymckpt.servers.stack:app_from_env``.
+
+    The server kind comes from ``GYMCKPT_SERVER_KIND`` (default ``counter``), its config file
+    from ``GYMCKPT_SERVER_CONFIG`` (optional), and the ``checkpoint:`` block may come from
+    ``GYMCKPT_CHECKPOINT__…`` variables (``GYMCKPT_CHECKPOINT__ENABLED=true``, …).
+    """
+    kind = os.environ.get("GYMCKPT_SERVER_KIND", "counter")
+    app, _ = build_server(kind, os.environ.get("GYMCKPT_SERVER_CONFIG") or None)
+    return app
 
 
 @dataclass
@@ -168,8 +182,14 @@ class Stack:
 
 
 def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None) -> Stack:
-    """Open every server's socket and resolve ``{name}`` URLs; nothing is started yet."""
-    data = yaml.safe_load(Path(spec).read_text()) if not isinstance(spec, dict) else spec
+    """Open every server's socket and resolve ``{name}`` URLs; nothing is started yet.
+
+    A file YAML cannot parse raises ``ValueError("<file>: invalid YAML at line L, column C: …")``.
+    """
+    if isinstance(spec, dict):
+        data: Any = spec
+    else:
+        data = read_yaml_file(spec)
     if not isinstance(data, dict) or not isinstance(data.get("servers"), list):
         raise ValueError("a stack file is a mapping with a 'servers' list")
     host = str(data.get("host", "127.0.0.1"))

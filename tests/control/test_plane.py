@@ -1275,8 +1275,9 @@ async def test_a_failed_install_reopens_admission_and_returns_to_idle(fake, tmp_
     seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
     plane = ControlPlane(fake)
     fake.fail_install = RuntimeError("install broke")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(InvalidCheckpointState, match=r"'a-a1'.*install broke") as raised:
         await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    assert isinstance(raised.value.__cause__, RuntimeError)  # a hook that raises is a 422 naming the episode
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     assert plane.lease_expires_at is None
@@ -1441,3 +1442,212 @@ def test_local_checkpoint_dirs_under_an_allowed_root_pass(directory, tmp_path):
     if not directory.startswith(("file://", "{root}")):
         directory = str(root / directory)
     check_allowed(directory.format(root=root), [str(root)])
+
+
+@pytest.fixture
+def linked(tmp_path: Path) -> dict[str, Path]:
+    """``allowed/`` (the root), ``outside/``, ``allowed/escape`` → ``outside``, ``alias`` → ``allowed``."""
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "allowed" / "escape").symlink_to(tmp_path / "outside", target_is_directory=True)
+    (tmp_path / "alias").symlink_to(tmp_path / "allowed", target_is_directory=True)
+    return {"allowed": tmp_path / "allowed", "outside": tmp_path / "outside", "alias": tmp_path / "alias"}
+
+
+async def test_a_symlink_inside_an_allowed_root_pointing_outside_is_refused(fake, tmp_path, linked):
+    plane = ControlPlane(fake, allowed_roots=[str(linked["allowed"])])
+    fake.start("a")
+    await prepared(plane)
+    for directory in (
+        linked["allowed"] / "escape" / "ck",
+        linked["allowed"] / "escape",
+        f"file://{linked['allowed'] / 'escape' / 'ck'}",
+    ):
+        with pytest.raises(CheckpointDirNotAllowed, match="allowed_roots") as caught:
+            await wait(plane.commit(commit_req("c1", directory, ["a"])))
+        assert caught.value.status == 403
+    assert fake.count("export") == 0
+    assert published(linked["outside"]) == []
+
+    reply = await wait(plane.commit(commit_req("c1", linked["allowed"] / "sub" / "ck", ["a"])))
+    assert reply.episode_ids == ["a"]
+    assert read_back(linked["allowed"] / "sub" / "ck", fake)[0].record_count == 1
+    assert published(linked["outside"]) == []
+    await plane.close()
+
+
+async def test_a_root_given_through_a_symlink_allows_its_real_directory_and_the_store_opens_the_real_path(
+    fake, tmp_path, linked
+):
+    plane = ControlPlane(fake, allowed_roots=[str(linked["alias"])])
+    fake.start("a")
+    await prepared(plane)
+    reply = await wait(plane.commit(commit_req("c1", linked["alias"] / "ck", ["a"])))
+    # the directory the check resolved is the one written, and the reply names it
+    assert reply.checkpoint_dir == str(linked["allowed"].resolve() / "ck")
+    assert read_back(linked["allowed"] / "ck", fake)[0].record_count == 1
+    await plane.close()
+
+    check_allowed(str(linked["allowed"] / "ck"), [str(linked["alias"])])  # the real path is under the root too
+    with pytest.raises(CheckpointDirNotAllowed):
+        check_allowed(str(linked["alias"] / "escape" / "ck"), [str(linked["alias"])])
+
+
+async def test_a_restore_through_an_escaping_symlink_is_refused_before_anything_changes(fake, tmp_path, linked):
+    seed_checkpoint(linked["outside"], "c0", [{"episode_id": "a", "state": {}}], fake=fake)
+    plane = ControlPlane(fake, allowed_roots=[str(linked["allowed"])])
+    with pytest.raises(CheckpointDirNotAllowed, match="allowed_roots"):
+        await wait(plane.restore(restore_req("c0", linked["allowed"] / "escape", ["a"])))
+    assert plane.phase is Phase.IDLE
+    assert len(plane.marks) == 0
+    assert fake.count("install") == 0
+    await plane.close()
+
+
+# --- every store a commit or restore opens is closed
+
+
+class CountingStores:
+    """Wraps ``gymckpt.control.plane.open_store``: every store the plane opens, and each close() call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.opened: list[CheckpointStore] = []
+        self.closes: list[CheckpointStore] = []
+        real = plane_module.open_store
+
+        def counting_open(url: str, **options: Any) -> CheckpointStore:
+            store = real(url, **options)
+            close = store.close
+
+            def counted_close() -> None:
+                self.closes.append(store)
+                close()
+
+            store.close = counted_close  # type: ignore[method-assign]
+            self.opened.append(store)
+            return store
+
+        monkeypatch.setattr(plane_module, "open_store", counting_open)
+
+    def each_closed_once(self) -> bool:
+        return len(self.closes) == len(self.opened) and all(
+            sum(closed is store for closed in self.closes) == 1 for store in self.opened
+        )
+
+
+async def test_every_commit_closes_the_store_it_opened_also_after_a_failed_store(fake, tmp_path, monkeypatch):
+    stores = CountingStores(monkeypatch)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "gym").write_text("a file where the participant directory must go")
+    plane = ControlPlane(fake)
+    fake.start("a", {"step": 1})
+    await prepared(plane)
+
+    with pytest.raises(UnusableDirectory):
+        await wait(plane.commit(commit_req("c1", checkpoint, ["a"])))
+    assert len(stores.opened) == 1
+    assert stores.each_closed_once()
+
+    (checkpoint / "gym").unlink()
+    reply = await wait(plane.commit(commit_req("c1", checkpoint, ["a"])))  # the retry opens a store of its own
+    assert reply.episode_ids == ["a"]
+    assert len(stores.opened) == 2
+    assert stores.opened[0] is not stores.opened[1]
+    assert stores.each_closed_once()
+
+    await wait(plane.commit(commit_req("c1", checkpoint, ["a"])))  # a finished commit's result: no store
+    assert len(stores.opened) == 2
+    await wait(plane.resume(req("c1")))
+
+    await prepared(plane, "c2")
+    await wait(plane.commit(commit_req("c2", tmp_path / "ckpt2", ["a"])))
+    assert len(stores.opened) == 3
+    assert stores.each_closed_once()
+    await plane.close()
+
+
+async def test_a_commit_whose_export_fails_closes_its_store(fake, ckpt_dir, monkeypatch):
+    stores = CountingStores(monkeypatch)
+    plane = ControlPlane(fake)
+    fake.start("a")
+    fake.fail_export = RuntimeError("export broke")
+    await prepared(plane)
+    with pytest.raises(ExportFailed):
+        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+    assert len(stores.opened) == 1
+    assert stores.each_closed_once()
+    await plane.close()
+
+
+async def test_every_restore_closes_the_store_it_opened_whether_it_succeeds_or_fails(fake, tmp_path, monkeypatch):
+    stores = CountingStores(monkeypatch)
+    (tmp_path / "empty").mkdir()
+    seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
+    plane = ControlPlane(fake)
+
+    with pytest.raises(InvalidCheckpointState):  # nothing to read there
+        await wait(plane.restore(restore_req("c0", tmp_path / "empty", ["a"])))
+    assert len(stores.opened) == 1
+    assert stores.each_closed_once()
+
+    fake.fail_install = RuntimeError("install broke")
+    with pytest.raises(InvalidCheckpointState):
+        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    assert len(stores.opened) == 2
+    assert stores.each_closed_once()
+
+    fake.fail_install = None
+    reply = await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    assert reply.restored == ["a-a1"]
+    assert len(stores.opened) == 3
+    assert stores.each_closed_once()
+    await plane.close()
+
+
+# --- the lease watcher follows a shorter lease at once
+
+
+async def test_a_shorter_lease_wakes_the_watcher_without_waiting_for_its_old_sleep(fake):
+    clock = FakeClock()
+    plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
+    fake.start("a")
+    await wait(plane.prepare(req("c1", 10.0, clock=clock)))
+    assert plane.phase is Phase.PREPARED
+    await drain()  # the watcher is asleep: its lease is 610 s away, so it waits LEASE_RETRY_SECONDS (30 s)
+    assert not fake.admission_open
+
+    # a renew with an earlier deadline: the lease is already over on the plane's clock
+    shorter = ControlRequest(checkpoint_id="c1", deadline_ts=clock() - 600.0 - 1.0)
+    reply = await wait(plane.renew(shorter))
+    assert reply.lease_expires_at < clock()
+    # the watcher resumes by itself, long before its 30 s sleep would have ended
+    await asyncio.wait_for(fake.opened.wait(), 5.0)
+    await drain()
+    assert plane.phase is Phase.IDLE
+    assert plane.lease_expires_at is None
+    with pytest.raises(StaleCheckpoint):
+        await wait(plane.prepare(req("c1", clock=clock)))
+    await plane.close()
+
+
+async def test_a_longer_lease_keeps_the_watcher_waiting(fake):
+    clock = FakeClock()
+    plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
+    fake.start("a")
+    first = req("c1", 10.0, clock=clock)
+    await wait(plane.prepare(first))
+    await drain()
+    await wait(plane.renew(ControlRequest(checkpoint_id="c1", deadline_ts=first.deadline_ts + 60.0)))
+    await drain()  # woken, the watcher recomputes and waits again
+    assert plane.phase is Phase.PREPARED
+    assert not fake.admission_open
+    assert plane._lease_task is not None and not plane._lease_task.done()
+    await plane.close()
+
+
+@pytest.mark.parametrize("instance", ["env-0\n", "env 0", "", "a/b", "x" * 129])
+def test_a_participant_name_the_store_would_refuse_is_refused_at_startup(instance: str) -> None:
+    """Names follow one rule at every entry point: a bad instance fails the server's start, not its first commit."""
+    with pytest.raises(ValueError, match="instance"):
+        ControlPlane(FakeParticipant(instance=instance))

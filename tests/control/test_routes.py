@@ -442,6 +442,7 @@ def test_a_checkpoint_dir_outside_the_allowed_roots_is_403_naming_the_setting(cl
 WIRE = {
     errors.StaleCheckpoint: ("stale_checkpoint", 409),
     errors.CheckpointConflict: ("checkpoint_conflict", 409),
+    errors.ManifestConflict: ("checkpoint_conflict", 409),
     errors.InvalidPhase: ("invalid_phase", 409),
     errors.DeadlineExceeded: ("deadline_exceeded", 409),
     errors.StaleAttempt: ("stale_attempt", 409),
@@ -459,6 +460,7 @@ OTHER = {
     errors.StorageError: ("storage_error", 503),
     errors.UnsupportedStorage: ("unsupported_storage", 400),
     errors.WriteStopped: ("write_stopped", 409),
+    errors.InvalidPayload: ("invalid_payload", 422),
     errors.NotJSONError: ("invalid_payload", 422),
     errors.InvalidRecord: ("invalid_payload", 422),
 }
@@ -481,6 +483,8 @@ def test_every_control_error_has_a_wire_mapping_here():
 def _raise(cls: type) -> Any:
     if cls is errors.StorageError or cls is errors.UnsupportedStorage:
         return cls("the storage said no", path="p")
+    if cls is errors.ManifestConflict:
+        return cls("the detail of this error", path="p")
     return cls("the detail of this error")
 
 
@@ -739,3 +743,66 @@ def test_deadlines_far_in_the_future_or_past_are_fine(client, fake):
         response = call(client, "POST", "resume", {"checkpoint_id": "c9", "deadline_ts": deadline}, headers=AUTH)
         assert response.status_code == 200, response.text
     assert fake.calls == []  # nothing was open: each resume was a no-op
+
+
+@pytest.mark.parametrize("route", ["commit", "restore"])
+@pytest.mark.parametrize(
+    ("checkpoint_dir", "storage_options"),
+    [
+        ("s3://bucket/x::memory://y", {}),  # a chained fsspec URL
+        ("s3://bucket/run/ckpt", {"no_such_option": "1", "endpoint_url": "http://127.0.0.1:9"}),
+        ("s3://bucket/run/ckpt", {"block_size": "not-a-number", "endpoint_url": "http://127.0.0.1:9"}),
+        ("/tmp/somewhere", {"endpoint_url": "http://127.0.0.1:9"}),  # options a local store would ignore
+    ],
+)
+def test_bad_storage_urls_and_options_are_a_4xx_with_the_error_body(fake, route, checkpoint_dir, storage_options):
+    """Seen: 500 for an unknown storage option and for a chained URL (they failed at the first request)."""
+    plane = ControlPlane(fake, storage_options=storage_options)
+    with TestClient(make_app(plane), raise_server_exceptions=False) as client:
+        if route == "commit":
+            prepared = call(
+                client, "POST", "prepare", {"checkpoint_id": "c0", "deadline_ts": time.time() + 30}, headers=AUTH
+            )
+            assert prepared.status_code == 200, prepared.text
+        body = {
+            "checkpoint_id": "c0",
+            "deadline_ts": time.time() + 30,
+            "checkpoint_dir": checkpoint_dir,
+            "episode_ids": [],
+        }
+        response = call(client, "POST", route, body, headers=AUTH)
+        assert response.status_code == 400, response.text
+        assert error_code(response) == "unsupported_storage"
+
+
+@pytest.mark.parametrize("special", ["fifo", "symlink-outside", "dev-zero"])
+def test_a_restore_from_a_special_records_file_is_a_prompt_422(fake, tmp_path, special):
+    """Seen: a FIFO named as the records file hung restore forever; /dev/zero read until MemoryError."""
+    import os
+
+    root = tmp_path / "allowed" / "ck"
+    store = open_store(str(root))
+    manifest = store.write_participant(
+        "", kind=fake.kind, instance=fake.instance, checkpoint_id="c-old", records=[{"episode_id": "a", "v": 1}]
+    )
+    records = root / manifest.records_path
+    outside = tmp_path / "outside-copy"
+    outside.write_bytes(records.read_bytes())
+    records.unlink()
+    if special == "fifo":
+        os.mkfifo(records)
+    else:
+        records.symlink_to(outside if special == "symlink-outside" else "/dev/zero")
+    plane = ControlPlane(fake, allowed_roots=[str(tmp_path / "allowed")])
+    with TestClient(make_app(plane), raise_server_exceptions=False) as client:
+        body = {
+            "checkpoint_id": "r-1",
+            "deadline_ts": time.time() + 30,
+            "checkpoint_dir": str(root),
+            "episode_ids": ["a"],
+        }
+        response = call(client, "POST", "restore", body, headers=AUTH)
+        assert response.status_code == 422, response.text
+        assert error_code(response) == "invalid_checkpoint_state"
+        assert "not a regular file" in response.json()["error"]["detail"]
+        assert fake.admission_open  # a failed restore reopens admission

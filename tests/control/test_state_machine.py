@@ -1221,6 +1221,8 @@ class CheckpointMachine(RuleBasedStateMachine):
                 error = errors.CheckpointConflict
         elif not self.m_fresh or self.m_open is not None or self.m_phase is not Phase.IDLE:
             error = errors.InvalidPhase
+        elif any(refused_by(self.m_marks, next_key(key)) for key in args[1]):
+            error = errors.StaleAttempt  # a replacement that was retired itself cannot be restored into
         if checkpoint_id in self.m_resumed:
             # C4: a late call naming a resumed checkpoint is stale_checkpoint; where another
             # refusal also applies, either will do, but never a reply

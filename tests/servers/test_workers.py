@@ -1,0 +1,181 @@
+"""A checkpointing server refuses to start as one of several uvicorn workers (one worker per server today).
+
+The real check: ``uvicorn --factory gymckpt.servers.stack:app_from_env --workers 2`` as a
+subprocess must never answer and must end, its output naming the limit and the planned
+``gymckpt.workers`` feature; the same command with ``--workers 1`` serves ``/health``.
+Every wait is bounded; between attempts the test waits on the process itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+import uvicorn._subprocess
+from fastapi.testclient import TestClient
+
+from gymckpt.participants.install import SeveralWorkersError, uvicorn_worker_count
+from gymckpt.servers.counter import CounterConfig, build_counter_app
+
+from .resources_support import config
+
+REPO = Path(__file__).resolve().parents[2]
+#: the bound of a server's start (or of its refusal to start), in seconds
+START_BOUND = 60.0
+MESSAGE = "checkpointing supports one worker per server today"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Uvicorn:
+    """``uvicorn --factory`` of a checkpointing counter server, in its own process group."""
+
+    def __init__(self, workers: int, log: Path) -> None:
+        self.port = free_port()
+        self.log = log
+        env = {key: value for key, value in os.environ.items() if key != "WEB_CONCURRENCY"}
+        env.update(
+            GYMCKPT_SERVER_KIND="counter",
+            GYMCKPT_CHECKPOINT__ENABLED="true",
+            GYMCKPT_CHECKPOINT__CONTROL_AUTH_TOKEN="workers-test-token",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+        )
+        with log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "--factory",
+                    "gymckpt.servers.stack:app_from_env",
+                    "--workers",
+                    str(workers),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                ],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def health(self) -> int | None:
+        """The status of ``GET /health``, or None when nobody answers within half a second."""
+        try:
+            return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=0.5).status_code
+        except httpx.HTTPError:
+            return None
+
+    def exited_within(self, seconds: float) -> bool:
+        try:
+            self.process.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def servers(tmp_path: Path):
+    started: list[Uvicorn] = []
+
+    def start(workers: int) -> Uvicorn:
+        server = Uvicorn(workers, tmp_path / f"uvicorn-{len(started)}.log")
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
+
+
+def test_two_uvicorn_workers_refuse_to_serve_a_checkpointing_app(servers: Any) -> None:
+    server = servers(2)
+    deadline = time.monotonic() + START_BOUND
+    answers: list[int] = []
+    while server.process.poll() is None and time.monotonic() < deadline:
+        status = server.health()
+        if status is not None:
+            answers.append(status)
+        server.exited_within(0.2)
+    assert server.process.poll() is not None, f"uvicorn --workers 2 still runs:\n{server.output()}"
+    assert 200 not in answers, answers
+    output = server.output()
+    assert MESSAGE in output, output
+    assert "gymckpt.workers" in output, output
+    assert server.health() is None
+
+
+def test_one_uvicorn_worker_serves_health(servers: Any) -> None:
+    server = servers(1)
+    deadline = time.monotonic() + START_BOUND
+    status = None
+    while time.monotonic() < deadline:
+        status = server.health()
+        if status == 200 or server.exited_within(0.2):
+            break
+    assert status == 200, f"uvicorn --workers 1 did not serve /health:\n{server.output()}"
+    assert MESSAGE not in server.output()
+
+
+# --- the detection, in process
+
+
+def _worker(monkeypatch: pytest.MonkeyPatch, cfg: uvicorn.Config) -> None:
+    """Make this process look like a worker uvicorn's multiprocess supervisor spawned with ``cfg``."""
+    fake = SimpleNamespace(_target=uvicorn._subprocess.subprocess_started, _kwargs={"config": cfg})
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: fake)
+
+
+def test_the_worker_count_comes_from_the_supervisors_config_or_web_concurrency(monkeypatch) -> None:
+    assert uvicorn_worker_count() == 1  # the test process is no uvicorn worker
+    _worker(monkeypatch, uvicorn.Config("x:app", workers=3))
+    assert uvicorn_worker_count() == 3
+    monkeypatch.setenv("WEB_CONCURRENCY", "4")
+    _worker(monkeypatch, uvicorn.Config("x:app"))
+    assert uvicorn_worker_count() == 4
+    _worker(monkeypatch, uvicorn.Config("x:app", workers=1, reload=True))  # --reload runs one worker
+    assert uvicorn_worker_count() == 1
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: SimpleNamespace(_target=print, _kwargs={}))
+    assert uvicorn_worker_count() == 1
+
+
+def test_the_lifespan_startup_refuses_several_workers_only_with_checkpointing_on(monkeypatch) -> None:
+    _worker(monkeypatch, uvicorn.Config("x:app", workers=2))
+    app = build_counter_app(config(CounterConfig, enabled=True))
+    with pytest.raises(SeveralWorkersError, match=MESSAGE), TestClient(app):
+        pass
+    off = build_counter_app(config(CounterConfig, enabled=False))
+    with TestClient(off) as http:
+        assert http.get("/health").json() == {"status": "ok"}
