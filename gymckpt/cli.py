@@ -1,37 +1,41 @@
 """The ``gymckpt`` command: verify and inspect checkpoints offline, run the demo.
 
 Exit codes: 0 clean, 1 damage found (errors), 2 usage error or unreachable storage.
+Errors are one line on stderr, never a traceback; text from data (paths, URLs, details)
+is never read as rich markup. Under ``--json`` an exit-2 error is also written on stdout
+as ``{"error": {"code": ..., "detail": ...}}``.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from rich.text import Text
 
 from gymckpt._version import __version__
-from gymckpt.errors import GymckptError, InvalidCheckpointState
+from gymckpt.errors import GymckptError, InvalidCheckpointState, UnusableDirectory
 from gymckpt.servers.stack import KINDS, build_server, load_stack
-from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
-from gymckpt.store.manifest import MANIFEST_NAME, Manifest, check_name
-from gymckpt.store.verify import NoCheckpointFound, Severity, scan_checkpoints, verify
+from gymckpt.store.layout import check_name
+from gymckpt.store.listing import list_checkpoints, participant_rows
+from gymckpt.store.verify import NoCheckpointFound, Severity, verify
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from gymckpt.store.verify import VerifyReport
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE = 0, 1, 2
 
 _stdout = Console(soft_wrap=True)
 _stderr = Console(stderr=True, soft_wrap=True)
+#: key in click's context meta: write errors as a JSON object on stdout too (--json)
+_JSON_ERRORS = "gymckpt.json_errors"
 
 
 def _storage_options(endpoint_url: str | None, options: tuple[str, ...]) -> dict[str, Any]:
@@ -39,7 +43,7 @@ def _storage_options(endpoint_url: str | None, options: tuple[str, ...]) -> dict
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {option!r}", param_hint="--storage-option")
+            _fail(f"--storage-option expects KEY=VALUE, got {option!r}")
         parsed[key] = value
     if endpoint_url:
         parsed["endpoint_url"] = endpoint_url
@@ -62,9 +66,56 @@ def _storage_arguments(command: Any) -> Any:
     )(command)
 
 
-def _fail(message: str, code: int = EXIT_USAGE) -> None:
-    _stderr.print(f"[bold red]error:[/] {message}", highlight=False)
+def _fail(message: str, code: int = EXIT_USAGE, *, error: str = "usage_error") -> NoReturn:
+    """Print ``error: message`` on stderr as one line, never read as markup, and exit with ``code``.
+
+    Under --json, also write ``{"error": {"code": error, "detail": message}}`` on stdout.
+    """
+    line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    context = click.get_current_context(silent=True)
+    if context is not None and context.meta.get(_JSON_ERRORS):
+        _write_json({"error": {"code": error, "detail": line}})
+    _stderr.print(Text.assemble(("error:", "bold red"), " ", line))
     sys.exit(code)
+
+
+def _fail_reading(url: str, exc: Exception, options: dict[str, Any] | None = None) -> NoReturn:
+    """Exit for what opening, listing or reading ``url`` raised: 1 for damage, 2 for anything else."""
+    if isinstance(exc, NoCheckpointFound):
+        _fail(str(exc), error=exc.code)
+    if isinstance(exc, MemoryError):
+        _fail(
+            f"ran out of memory while reading {url}: the check did not finish (this is not damage)",
+            error="out_of_memory",
+        )
+    if isinstance(exc, UnusableDirectory):  # cannot be read (no permission, not a directory): not damage
+        _fail(f"cannot read {url}: {exc}", error=exc.problem)
+    if isinstance(exc, InvalidCheckpointState):
+        _fail(str(exc), EXIT_DAMAGED, error=exc.problem)
+    if isinstance(exc, GymckptError):
+        _fail(f"cannot read {url}: {exc}", error=exc.code)
+    hint = " (check the --storage-option names)" if options and isinstance(exc, TypeError) else ""
+    _fail(f"cannot read {url}: {type(exc).__name__}: {exc}{hint}", error="storage_error")
+
+
+def _write_json(value: Any) -> None:
+    sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def _check_url(url: str) -> None:
+    if not url.strip():
+        _fail("URL is empty: give a checkpoint directory, a store root, or an s3:// URL")
+
+
+class _Command(click.Command):
+    """A command whose own usage errors are one line too (and a JSON error object under --json)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[_JSON_ERRORS] = "--json" in args
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            _fail(f"{exc.format_message()} (see '{ctx.command_path} --help')")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,10 +132,15 @@ def main() -> None:
     """
 
 
-@main.command("verify")
+@main.command("verify", cls=_Command)
 @click.argument("url")
 @click.option("--quick", is_flag=True, help="Skip re-hashing records files: check manifests, presence and sizes only.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print the report as JSON on stdout; on exit 2, {"error": {"code": ..., "detail": ...}} instead.',
+)
 @_storage_arguments
 def verify_command(
     url: str, quick: bool, as_json: bool, endpoint_url: str | None, storage_option: tuple[str, ...]
@@ -93,19 +149,25 @@ def verify_command(
 
     \b
     URL is a local path, file://, or s3://bucket/prefix.
-    Exit status: 0 clean (warnings allowed), 1 errors found, 2 usage error or unreachable storage.
+    Exit status:
+      0  clean (warnings allowed)
+      1  errors found: the checkpoint is damaged
+      2  usage error or unreachable storage: no checkpoint there, bad storage
+         options, storage that cannot be read, out of memory
+    Errors are one line on stderr. With --json, stdout holds the report, or on
+    exit 2 {"error": {"code": ..., "detail": ...}}, code e.g. usage_error,
+    checkpoint_not_found, unsupported_storage, storage_error.
     """
+    _check_url(url)
     options = _storage_options(endpoint_url, storage_option)
     show_progress = not as_json and _stderr.is_terminal
     try:
         with _progress(show_progress) as advance:
             report = verify(url, quick=quick, progress=advance, **options)
-    except NoCheckpointFound as exc:
-        _fail(str(exc))
-    except (GymckptError, OSError) as exc:
-        _fail(f"cannot read {url}: {exc}")
+    except Exception as exc:  # storage, options, memory: never a traceback, and damage only if it is damage
+        _fail_reading(url, exc, options)
     if as_json:
-        sys.stdout.write(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        _write_json(report.to_dict())
     else:
         _print_report(report)
     sys.exit(EXIT_OK if report.ok else EXIT_DAMAGED)
@@ -146,7 +208,7 @@ class _progress:
 
 def _print_report(report: VerifyReport) -> None:
     if report.findings and _stdout.is_terminal:
-        table = Table(title=f"Findings for {report.url}", show_lines=False)
+        table = Table(title=Text(f"Findings for {report.url}"), show_lines=False)
         table.add_column("severity", no_wrap=True)
         table.add_column("finding", no_wrap=True)
         table.add_column("participant", no_wrap=True)
@@ -154,12 +216,12 @@ def _print_report(report: VerifyReport) -> None:
         table.add_column("detail", overflow="fold")
         for finding in report.findings:
             style = "bold red" if finding.severity is Severity.ERROR else "yellow"
-            table.add_row(
-                f"[{style}]{finding.severity}[/]",
-                finding.code,
-                finding.participant,
-                finding.path,
-                finding.detail + (f"\nfix: {finding.fix}" if finding.fix else ""),
+            table.add_row(  # Text: paths and details are data, never markup
+                Text(str(finding.severity), style=style),
+                Text(finding.code),
+                Text(finding.participant),
+                Text(finding.path),
+                Text(finding.detail + (f"\nfix: {finding.fix}" if finding.fix else "")),
             )
         _stdout.print(table)
     else:
@@ -184,7 +246,7 @@ def _print_report(report: VerifyReport) -> None:
 def _plain(line: str) -> None:
     """A line on stdout, never wrapped or styled (rich would fold it at 80 columns in a pipe)."""
     if _stdout.is_terminal:
-        _stdout.print(line, highlight=False, markup=False)
+        _stdout.print(line, highlight=False, markup=False, emoji=False)
     else:
         sys.stdout.write(line + "\n")
 
@@ -197,9 +259,14 @@ def _human(size: float) -> str:
     return f"{size:.1f} GB"  # pragma: no cover
 
 
-@main.command("inspect")
+@main.command("inspect", cls=_Command)
 @click.argument("url")
-@click.option("--json", "as_json", is_flag=True, help="Print the listing as JSON.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print the listing as JSON on stdout; on exit 2, {"error": {"code": ..., "detail": ...}} instead.',
+)
 @click.option("--dump", metavar="KIND/INSTANCE", help="Write this participant's records to stdout as JSONL.")
 @click.option("--episode", "episodes", multiple=True, metavar="ID", help="With --dump: only these episodes.")
 @_storage_arguments
@@ -215,21 +282,37 @@ def inspect_command(
 
     With --dump, write one participant's records as JSONL instead, after verifying the
     whole records file (exit 1, and nothing written, if it is damaged).
+
+    \b
+    Exit status:
+      0  listed (damaged participants are marked in the listing), or dumped
+      1  --dump of a damaged participant (nothing written)
+      2  usage error or unreachable storage: no checkpoint there, bad storage
+         options, storage that cannot be read, out of memory
+    Errors are one line on stderr. With --json, stdout holds the listing, or on
+    exit 2 {"error": {"code": ..., "detail": ...}}, code e.g. usage_error,
+    checkpoint_not_found, unsupported_storage, storage_error.
     """
+    _check_url(url)
+    if episodes and dump is None:
+        _fail("--episode needs --dump KIND/INSTANCE: it chooses which of that participant's records to write")
     options = _storage_options(endpoint_url, storage_option)
     try:
         backend = backend_for_url(url, **options)
-        checkpoints = scan_checkpoints(backend.walk_files(""))
-    except (GymckptError, OSError) as exc:
-        _fail(f"cannot read {url}: {exc}")
+        checkpoints = list_checkpoints(backend)
+    except Exception as exc:  # storage, options, memory: never a traceback
+        _fail_reading(url, exc, options)
     if not checkpoints:
-        _fail(f"no checkpoint (no gym/ directory) under {url}")
+        _fail(f"no checkpoint (no gym/ directory) under {url}", error=NoCheckpointFound.code)
     if dump is not None:
         _dump(CheckpointStore(backend), checkpoints, dump, episodes)
         return
-    rows = list(_listing(backend, checkpoints))
+    try:
+        rows = list(participant_rows(backend, checkpoints))
+    except Exception as exc:
+        _fail_reading(url, exc, options)
     if as_json:
-        sys.stdout.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode() + "\n")
+        _write_json(rows)
         return
     if not _stdout.is_terminal:
         for row in rows:
@@ -243,47 +326,33 @@ def inspect_command(
                     f"extra {','.join(row['extra'])}"
                 )
         return
-    table = Table(title=f"Checkpoints under {url}")
+    table = Table(title=Text(f"Checkpoints under {url}"))
     for column in ("checkpoint", "participant", "checkpoint id", "records", "size", "episodes", "extra fields"):
         table.add_column(column, no_wrap=column in ("participant", "checkpoint id"), overflow="fold")
     for row in rows:
+        # Text: checkpoint names, ids, episode ids and details are data, never markup
         if "damaged" in row:
-            table.add_row(row["checkpoint"] or ".", row["participant"], "[red]damaged[/]", "", "", "", row["damaged"])
+            table.add_row(
+                Text(row["checkpoint"] or "."),
+                Text(row["participant"]),
+                Text("damaged", style="red"),
+                "",
+                "",
+                "",
+                Text(row["damaged"]),
+            )
             continue
         shown = ", ".join(row["episode_ids"][:3]) + (" …" if len(row["episode_ids"]) > 3 else "")
         table.add_row(
-            row["checkpoint"] or ".",
-            row["participant"],
-            row["checkpoint_id"],
+            Text(row["checkpoint"] or "."),
+            Text(row["participant"]),
+            Text(row["checkpoint_id"]),
             str(row["record_count"]),
             _human(row["records_bytes"]),
-            shown,
-            ", ".join(row["extra"]),
+            Text(shown),
+            Text(", ".join(row["extra"])),
         )
     _stdout.print(table)
-
-
-def _listing(backend: Any, checkpoints: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    for checkpoint, files in checkpoints.items():
-        for kind, instance in sorted(files.participants):
-            path = join(checkpoint, "gym", kind, instance, MANIFEST_NAME)
-            row: dict[str, Any] = {"checkpoint": checkpoint, "participant": f"{kind}/{instance}"}
-            try:
-                manifest = Manifest.parse(backend.read_bytes(path), path=path, kind=kind, instance=instance)
-            except FileNotFoundError:
-                row["damaged"] = "no manifest (unfinished commit)"
-            except InvalidCheckpointState as exc:
-                row["damaged"] = f"{exc.problem}: {exc.reason}"
-            else:
-                row.update(
-                    checkpoint_id=manifest.checkpoint_id,
-                    record_count=manifest.record_count,
-                    records_bytes=manifest.records_bytes,
-                    records_file=manifest.records_file,
-                    episode_ids=list(manifest.episode_ids),
-                    extra=manifest.extra,
-                )
-            yield row
 
 
 def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episodes: tuple[str, ...]) -> None:
@@ -308,14 +377,15 @@ def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episod
             pass
         for record in store.read_participant(checkpoint, kind=kind, instance=instance, scope=episodes or None):
             out.write(encode_record(record)[1])
-    except InvalidCheckpointState as exc:
-        _fail(str(exc), EXIT_DAMAGED)
-    except (GymckptError, OSError) as exc:
-        _fail(str(exc))
-    out.flush()
+        out.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): neither damage nor the storage
+        click.get_current_context().meta[_JSON_ERRORS] = False  # stdout is gone
+        _fail("stdout was closed before every record was written")
+    except Exception as exc:  # damage exits 1; storage, memory and the rest 2
+        _fail_reading(store.url, exc)
 
 
-@main.command("serve")
+@main.command("serve", cls=_Command)
 @click.argument("kind", type=click.Choice(sorted(KINDS)))
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file.")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -331,7 +401,7 @@ def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: 
 
     try:
         app, _ = build_server(kind, config_file)
-    except (ValueError, ImportError) as exc:
+    except (ValueError, ImportError, OSError) as exc:  # invalid YAML, a bad field, an unreadable file
         _fail(f"cannot build the {kind} server: {exc}")
     if fd is not None:
         uvicorn.run(app, fd=fd, log_level="warning")
@@ -344,7 +414,7 @@ def stack_group() -> None:
     """Run a whole stack of reference servers from a YAML file."""
 
 
-@stack_group.command("up")
+@stack_group.command("up", cls=_Command)
 @click.argument("stack_file", type=click.Path(exists=True, dir_okay=False))
 def stack_up(stack_file: str) -> None:
     """Start every server of STACK_FILE, each in its own process group, until interrupted."""
@@ -352,8 +422,9 @@ def stack_up(stack_file: str) -> None:
 
     try:
         stack = load_stack(stack_file)
-    except (ValueError, OSError) as exc:
-        _fail(f"{stack_file}: {exc}")
+    except (ValueError, OSError) as exc:  # invalid YAML names the file already
+        message = str(exc)
+        _fail(message if message.startswith(f"{stack_file}:") else f"{stack_file}: {message}")
     with stack:
         stack.start()
         for name, url in stack.urls.items():
@@ -364,7 +435,7 @@ def stack_up(stack_file: str) -> None:
         signals.sigwait(stop_signals)
 
 
-@main.command("demo")
+@main.command("demo", cls=_Command)
 @click.option("--rollouts", default=64, show_default=True, type=click.IntRange(1, 100_000), help="Concurrent rollouts.")
 @click.option(
     "--store",

@@ -44,7 +44,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from gymckpt.control.coordination import Coordinator, runs_to_await
 from gymckpt.control.marks import capture_key, split_capture_key
@@ -242,7 +244,7 @@ class _Demo:
         outcome = self.outcome
         self._choose_checkpoint_dir()
         self.progress(
-            f"[bold]gymckpt demo[/]: {_n(outcome.rollouts, 'rollout')}, checkpoint into {outcome.checkpoint_dir}"
+            f"[bold]gymckpt demo[/]: {_n(outcome.rollouts, 'rollout')}, checkpoint into {escape(outcome.checkpoint_dir)}"
         )
         reference = await self._uninterrupted_run()
 
@@ -251,7 +253,7 @@ class _Demo:
         gym = await self._wait_up(demo, "demo")
         self.progress(
             f"a fresh stack answers after {time.perf_counter() - began:.1f} s: "
-            + ", ".join(f"{name} {url}" for name, url in demo.urls.items())
+            + escape(", ".join(f"{name} {url}" for name, url in demo.urls.items()))
         )
         runs = await self._launch_until_half_finished(demo)
         in_flight = sorted(key for key, task in runs.items() if not task.done())
@@ -302,6 +304,11 @@ class _Demo:
             raise _Failed("; ".join(problems))
 
     # --- phases
+
+    def _allowed_roots(self) -> list[str]:
+        """The store root: the servers may write checkpoints there and nowhere else."""
+        url = self.store_url
+        return [url.rstrip("/")] if "://" in url else [str(Path(url).expanduser().resolve())]
 
     def _choose_checkpoint_dir(self) -> None:
         """A new checkpoint directory under the store root; a root that cannot hold one is a setup failure."""
@@ -560,7 +567,7 @@ class _Demo:
             f"continued {_n(len(outcome.continued), 'rollout')} from their boundaries and started "
             f"{len(outcome.restarted)} over, in {outcome.continue_seconds:.2f} s"
             + (
-                f"; [red]{len(failed)} without a result[/], e.g. {failed[0]}: {_reply_of(replies, order, failed[0])}"
+                f"; [red]{len(failed)} without a result[/], e.g. {escape(failed[0])}: {escape(_reply_of(replies, order, failed[0]))}"
                 if failed
                 else ""
             )
@@ -576,7 +583,7 @@ class _Demo:
         self.outcome.verify_seconds = time.perf_counter() - began
         self.outcome.verify_report = report
         self.progress(
-            f"verify {self.outcome.checkpoint_dir}: {'OK' if report.ok else '[red]DAMAGED[/]'} "
+            f"verify {escape(self.outcome.checkpoint_dir)}: {'OK' if report.ok else '[red]DAMAGED[/]'} "
             f"({len(report.errors)} errors, {len(report.warnings)} warnings, "
             f"{report.records_checked} records re-hashed in {self.outcome.verify_seconds:.3f} s)"
         )
@@ -597,7 +604,9 @@ class _Demo:
             self.outcome.logs_dir = str(self.workdir)
         workdir = self.workdir / label
         workdir.mkdir(parents=True, exist_ok=True)
-        spec = default_stack_spec(token=self.token, storage_options=storage_options or None)
+        spec = default_stack_spec(
+            token=self.token, storage_options=storage_options or None, allowed_roots=self._allowed_roots()
+        )
         try:
             # the servers' modules are imported here (slow): off the loop, but no process starts there
             loaded = await asyncio.to_thread(load_stack, spec, workdir=workdir)
@@ -787,16 +796,16 @@ def _reply_of(replies: list[Any], order: list[str], key: str) -> str:
 
 
 def _print_kept(outcome: DemoOutcome, pids: dict[str, int], token: str, console: Console) -> None:
-    console.print(f"the demo stack keeps running (--keep); control token {token}:", highlight=False)
+    console.print(f"the demo stack keeps running (--keep); control token {token}:", highlight=False, markup=False)
     for name, url in outcome.kept_urls.items():
-        console.print(f"  {name:<12} {url}  (process group {pids.get(name, '?')})", highlight=False)
+        console.print(f"  {name:<12} {url}  (process group {pids.get(name, '?')})", highlight=False, markup=False)
     if outcome.embedded_endpoint:
         console.print(
             "  note: the embedded S3 endpoint stopped with the demo; checkpoints of this stack into it will fail",
             highlight=False,
         )
     groups = " ".join(f"-{pid}" for pid in pids.values())
-    console.print(f"stop it: kill -TERM -- {groups}", highlight=False)
+    console.print(f"stop it: kill -TERM -- {groups}", highlight=False, markup=False)
 
 
 # --- the store-only demo (``gymckpt demo --store-only``): the store alone, no servers
@@ -881,7 +890,9 @@ def run_s3_store_demo(*, episodes: int, seed: int, console: Console) -> int:
 
     with MotoEndpoint() as endpoint:
         endpoint.create_bucket(DEMO_BUCKET)
-        console.print(f"embedded S3 endpoint (moto) at {endpoint.url}, bucket {DEMO_BUCKET}", highlight=False)
+        console.print(
+            f"embedded S3 endpoint (moto) at {endpoint.url}, bucket {DEMO_BUCKET}", highlight=False, markup=False
+        )
         return run_store_demo(
             f"s3://{DEMO_BUCKET}/checkpoints",
             episodes=episodes,
@@ -934,7 +945,7 @@ def run_store_demo(
     expected = [record for record in _records("agent", episodes, seed) if record["episode_id"] in set(scope)]
     faithful = restored == expected
 
-    table = Table(title=f"Checkpoint {checkpoint_dir} in {store_url}")
+    table = Table(title=Text(f"Checkpoint {checkpoint_dir} in {store_url}"))
     for column in ("participant", "records", "bytes", "commit s"):
         table.add_column(column, justify="right" if column != "participant" else "left")
     for kind, count, size, seconds in rows:
@@ -953,6 +964,7 @@ def run_store_demo(
             else f"check it yourself: gymckpt verify {store_url.rstrip('/')}/{checkpoint_dir}"
         ),
         highlight=False,
+        markup=False,
     )
     store.close()
     return 0 if report.ok and faithful and len(restored) == len(scope) else 1

@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ def _reward(value: float | None) -> str:
 def render(outcome: DemoOutcome, console: Console) -> None:
     """The table, then where the checkpoint lies and how to check it."""
     table = Table(
-        title=f"gymckpt demo: {outcome.rollouts} rollout{'' if outcome.rollouts == 1 else 's'}, checkpoint {outcome.checkpoint_id or '–'}"
+        title=f"gymckpt demo: {outcome.rollouts} rollout{'' if outcome.rollouts == 1 else 's'}, checkpoint {escape(outcome.checkpoint_id or '–')}"
     )
     table.show_header = False
     table.add_column("what", style="bold")
@@ -214,19 +215,20 @@ def render(outcome: DemoOutcome, console: Console) -> None:
     console.print(table)
 
     if outcome.checkpoint_dir:
-        console.print(f"checkpoint: {outcome.checkpoint_dir}", highlight=False)
+        console.print(f"checkpoint: {outcome.checkpoint_dir}", highlight=False, markup=False)
         if outcome.embedded_endpoint:
             console.print(
                 f"it lived on the embedded S3 endpoint {outcome.embedded_endpoint}, which stops with the demo; "
                 "against your own bucket: gymckpt verify s3://BUCKET/PREFIX/CHECKPOINT --endpoint-url URL",
                 highlight=False,
+                markup=False,
             )
         else:
-            console.print(f"check it yourself: gymckpt verify {outcome.checkpoint_dir}", highlight=False)
+            console.print(f"check it yourself: gymckpt verify {outcome.checkpoint_dir}", highlight=False, markup=False)
     if outcome.error:
-        console.print(f"[bold red]demo failed:[/] {outcome.error}", highlight=False)
+        console.print(f"[bold red]demo failed:[/] {escape(outcome.error)}", highlight=False)
     if outcome.logs_dir and (outcome.exit_code != EXIT_OK or outcome.kept_urls):
-        console.print(f"server logs: {outcome.logs_dir}", highlight=False)
+        console.print(f"server logs: {outcome.logs_dir}", highlight=False, markup=False)
 
 
 def _bad(count: int) -> str:
@@ -234,4 +236,4 @@ def _bad(count: int) -> str:
 
 
 def _some(keys: list[str], limit: int = 4) -> str:
-    return ", ".join(keys[:limit]) + (" …" if len(keys) > limit else "")
+    return escape(", ".join(keys[:limit]) + (" …" if len(keys) > limit else ""))

@@ -4,6 +4,7 @@ process. Exit status: 0 clean, 1 damage found, 2 usage error or unreachable stor
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -14,12 +15,25 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from rich.console import Console
 
+import gymckpt.cli
 from gymckpt.cli import main
+from gymckpt.control.settings import load_settings
+from gymckpt.errors import (
+    RecordsDigestMismatch,
+    StorageError,
+    UnsupportedStorage,
+    UnusableDirectory,
+)
+from gymckpt.servers.base import load_server_config
+from gymckpt.servers.counter import CounterConfig
+from gymckpt.servers.stack import load_stack
 from gymckpt.store import open_store, verify
 from gymckpt.store.codec import decode_line
 from gymckpt.store.manifest import RECORDS_NAME_PATTERN
 from gymckpt.store.testing import assert_identical, sample_records
+from gymckpt.store.verify import NoCheckpointFound
 
 GYMCKPT = Path(sys.executable).parent / "gymckpt"
 #: the width rich uses whenever output is not a terminal (pipes, files, CI logs)
@@ -81,18 +95,19 @@ def agent_records() -> list[dict[str, Any]]:
     return sample_records(7, prefix="9-")
 
 
-def commit(root: Path, checkpoint: str) -> dict[str, Any]:
+def commit(root: Path, checkpoint: str, checkpoint_id: str | None = None) -> dict[str, Any]:
     store = open_store(str(root))
+    checkpoint_id = checkpoint_id or checkpoint
     env = store.write_participant(
         checkpoint,
         kind="environment",
         instance="env-0",
-        checkpoint_id=checkpoint,
+        checkpoint_id=checkpoint_id,
         records=iter(environment_records()),
         extra={"seed": 3},
     )
     agent = store.write_participant(
-        checkpoint, kind="agent", instance="agent-0", checkpoint_id=checkpoint, records=iter(agent_records())
+        checkpoint, kind="agent", instance="agent-0", checkpoint_id=checkpoint_id, records=iter(agent_records())
     )
     store.publish(checkpoint, [env, agent], extra={"trainer_step": 7})
     return {"environment": env, "agent": agent}
@@ -197,7 +212,12 @@ def test_verify_a_missing_path_exits_2(tmp_path: Path, as_json: bool) -> None:
     assert result.exit_code == 2, result.output
     assert "no checkpoint" in plain(result.stderr)
     assert str(missing) in plain(result.stderr).replace("\n", "")
-    assert result.stdout == ""
+    if as_json:  # the error as an object on stdout too
+        assert report_of(result) == {
+            "error": {"code": "checkpoint_not_found", "detail": f"no checkpoint (no gym/ directory) under {missing}"}
+        }
+    else:
+        assert result.stdout == ""
 
 
 def test_verify_a_directory_without_a_checkpoint_exits_2(tmp_path: Path) -> None:
@@ -440,3 +460,369 @@ def test_sha256sum_agrees_with_every_records_file_name(root: Path, tmp_path: Pat
         match = RECORDS_NAME_PATTERN.match(path.name)
         assert match is not None, path.name
         assert digest == match.group(1) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- data is never markup; errors are one line, never a traceback
+
+#: checkpoint names that rich would read as markup (or as an emoji code)
+MARKUP_NAMES = ["[bold]x", "a[/]b", "[red]x[/red]", "x:smile:y"]
+
+
+class Consoles:
+    """Runs the CLI with its rich consoles as a pipe (the default) or as a terminal.
+
+    As a terminal, the module's ``_stdout``/``_stderr`` are forced-terminal consoles writing
+    into buffers, so that the table and progress branches run."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+        self.terminal = terminal
+        self.out = io.StringIO()
+        self.err = io.StringIO()
+        if terminal:
+            monkeypatch.setattr(gymckpt.cli, "_stdout", Console(file=self.out, force_terminal=True, width=400))
+            monkeypatch.setattr(gymckpt.cli, "_stderr", Console(file=self.err, force_terminal=True, width=400))
+
+    def run(self, *args: str) -> tuple[Result, str, str]:
+        """The result, and all of stdout and stderr as plain text."""
+        for buffer in (self.out, self.err):
+            buffer.seek(0)
+            buffer.truncate()
+        result = run(*args)
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+        return result, plain(self.out.getvalue() + result.stdout), plain(self.err.getvalue() + result.stderr)
+
+
+@pytest.fixture(params=[False, True], ids=["pipe", "terminal"])
+def consoles(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Consoles:
+    return Consoles(monkeypatch, request.param)
+
+
+def assert_one_error_line(result: Result, *expected: str) -> str:
+    """stderr is exactly one ``error: …`` line holding each of ``expected``, and no traceback."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    lines = plain(result.stderr).splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), lines
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def json_error(result: Result) -> dict[str, str]:
+    document = report_of(result)
+    assert list(document) == ["error"], document
+    assert sorted(document["error"]) == ["code", "detail"], document
+    return document["error"]
+
+
+@pytest.mark.parametrize("name", MARKUP_NAMES)
+def test_verify_prints_a_checkpoint_name_with_markup_verbatim(tmp_path: Path, consoles: Consoles, name: str) -> None:
+    root = tmp_path / "store"
+    commit(root, name, checkpoint_id="ck-7")
+    for url in (root, root / name):
+        result, out, _ = consoles.run("verify", str(url))
+        assert result.exit_code == 0, out
+        assert "OK" in out
+
+    flip_byte(records_file(root / name))
+    result, out, _ = consoles.run("verify", str(root))
+    assert result.exit_code == 1, out
+    assert "records_digest_mismatch" in out
+    assert f"{name}/gym/environment/env-0/records-" in out, out
+    assert "DAMAGED" in out
+    result, out, _ = consoles.run("verify", str(root / name))
+    assert result.exit_code == 1, out
+    if consoles.terminal:  # the findings table's title names the URL
+        assert f"Findings for {root / name}" in out, out
+
+
+@pytest.mark.parametrize("name", MARKUP_NAMES)
+def test_inspect_prints_a_checkpoint_name_with_markup_verbatim(tmp_path: Path, consoles: Consoles, name: str) -> None:
+    root = tmp_path / name / "store"  # markup in the URL too
+    commit(root, name, checkpoint_id="ck-7")
+    result, out, _ = consoles.run("inspect", str(root))
+    assert result.exit_code == 0, out
+    lines = [line for line in out.splitlines() if "environment/env-0" in line]
+    assert len(lines) == 1, out
+    assert name in lines[0], out
+    if consoles.terminal:
+        assert f"Checkpoints under {root}" in out, out
+
+    unfinished = root / name / "gym" / "model" / "m-0"  # a participant without manifest
+    unfinished.mkdir(parents=True)
+    (unfinished / f"records-{'0' * 64}.jsonl").write_bytes(b"")
+    result, out, _ = consoles.run("inspect", str(root))
+    assert result.exit_code == 0, out
+    assert "damaged" in out and "no manifest" in out
+
+    flip_byte(records_file(root / name))
+    result, _, err = consoles.run("inspect", str(root), "--dump", "environment/env-0")
+    assert result.exit_code == 1
+    assert f"{name}/gym/environment/env-0/records-" in err, err
+    assert result.stdout_bytes == b""
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+@pytest.mark.parametrize("name", MARKUP_NAMES)
+def test_an_error_naming_a_path_with_markup_prints_it_verbatim(
+    tmp_path: Path, consoles: Consoles, command: str, name: str
+) -> None:
+    missing = tmp_path / name / "missing"
+    expected = f"error: no checkpoint (no gym/ directory) under {missing}"
+    result, out, err = consoles.run(command, str(missing))
+    assert result.exit_code == 2, err
+    assert expected in err, err
+    assert out == ""
+    if not consoles.terminal:
+        assert_one_error_line(result, expected)
+
+    result, out, err = consoles.run(command, str(missing), "--json")
+    assert result.exit_code == 2
+    assert expected in err
+    assert json_error(result) == {"code": "checkpoint_not_found", "detail": expected.removeprefix("error: ")}
+
+
+def test_a_usage_error_with_markup_in_it_prints_verbatim(root: Path, consoles: Consoles) -> None:
+    result, _, err = consoles.run("inspect", str(root / "ck-7"), "--dump", "[red]x[/red]/[/]")
+    assert result.exit_code == 2
+    assert "got '[red]x[/red]/[/]'" in err, err
+
+
+# --- --json on exit 2
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_json_error_object_for_each_kind_of_exit_2(root: Path, tmp_path: Path, command: str) -> None:
+    cases = [
+        ([str(tmp_path / "nothing")], "checkpoint_not_found"),
+        ([str(root / "ck-7"), "--endpoint-url", "http://127.0.0.1:9"], "unsupported_storage"),
+        ([""], "usage_error"),
+        ([str(root / "ck-7"), "-o", "no-equals-sign"], "usage_error"),
+        ([], "usage_error"),  # click's own: a missing URL
+        ([str(root / "ck-7"), "--no-such-flag"], "usage_error"),
+    ]
+    for args, code in cases:
+        result = run(command, *args, "--json")
+        assert result.exit_code == 2, (args, result.output)
+        error = json_error(result)
+        assert error["code"] == code, (args, error)
+        # the same message, as one line, on stderr
+        assert assert_one_error_line(result) == f"error: {error['detail']}"
+
+
+def test_json_error_object_for_inspect_usage_errors(root: Path) -> None:
+    result = run("inspect", str(root / "ck-7"), "--episode", "x", "--json")
+    assert result.exit_code == 2
+    assert json_error(result)["code"] == "usage_error"
+    result = run("inspect", str(root / "ck-7"), "--dump", "environment", "--json")
+    assert result.exit_code == 2
+    assert json_error(result)["code"] == "usage_error"
+    assert "KIND/INSTANCE" in json_error(result)["detail"]
+
+
+# --- usage errors: exit 2, one line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["verify", ""], "URL is empty"),
+        (["inspect", ""], "URL is empty"),
+        (["verify", "   "], "URL is empty"),
+        (["inspect", "{checkpoint}", "--episode", "edge"], "--episode needs --dump"),
+        (["inspect", "{checkpoint}", "--dump", "environment"], "KIND/INSTANCE"),
+        (["inspect", "{checkpoint}", "--dump", "not a/name"], "KIND/INSTANCE"),
+        (["inspect", "{checkpoint}", "--dump", "environment/"], "KIND/INSTANCE"),
+        (["verify", "{checkpoint}", "-o", "no-equals-sign"], "KEY=VALUE"),
+        (["verify"], "Missing argument 'URL'"),
+        (["inspect", "{checkpoint}", "--no-such-flag"], "No such option"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(root: Path, args: list[str], expected: str) -> None:
+    result = run(*(arg.replace("{checkpoint}", str(root / "ck-7")) for arg in args))
+    assert result.exit_code == 2, result.output
+    assert_one_error_line(result, expected)
+    assert result.stdout == ""
+
+
+def test_an_empty_url_is_not_the_current_directory(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(root)  # a store root: '' must not verify it
+    result = run("verify", "")
+    assert result.exit_code == 2
+    assert_one_error_line(result, "URL is empty")
+
+
+# --- storage errors: exit 2, one line, never 1, never a traceback
+
+BAD_STORAGE = [
+    ["s3://b/x::memory://y"],
+    ["s3://bucket/x", "-o", "no_such_option=1", "--endpoint-url", "http://127.0.0.1:9"],
+]
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+@pytest.mark.parametrize("args", BAD_STORAGE, ids=["chained_url", "unknown_option"])
+def test_bad_storage_urls_and_options_exit_2_with_one_line(command: str, args: list[str]) -> None:
+    pytest.importorskip("s3fs")
+    result = run(command, *args)
+    assert result.exit_code == 2, result.output
+    assert_one_error_line(result, f"error: cannot read {args[0]}: ")
+    assert result.stdout == ""
+
+    result = run(command, *args, "--json")
+    assert result.exit_code == 2
+    assert json_error(result)["code"] in {"storage_error", "unsupported_storage"}
+
+
+@pytest.mark.parametrize("args", BAD_STORAGE, ids=["chained_url", "unknown_option"])
+def test_real_process_bad_storage_exits_2_without_a_traceback(args: list[str]) -> None:
+    pytest.importorskip("s3fs")
+    result = run_process("verify", *args)
+    assert result.returncode == 2, result.stderr
+    assert b"Traceback" not in result.stdout + result.stderr
+    (line,) = result.stderr.decode().splitlines()
+    assert line.startswith(f"error: cannot read {args[0]}: ")
+
+
+def test_real_process_markup_in_a_missing_path_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    missing = tmp_path / "a[/]b" / "[bold]x"
+    result = run_process("verify", str(missing))
+    assert result.returncode == 2, result.stderr
+    assert b"Traceback" not in result.stderr
+    assert result.stderr.decode().splitlines() == [f"error: no checkpoint (no gym/ directory) under {missing}"]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (StorageError("cannot list [/]x: connection refused"), "storage_error"),
+        (UnsupportedStorage("[bold]no conditional create"), "unsupported_storage"),
+        (UnusableDirectory("cannot list x: Permission denied", path="x"), "unusable_directory"),
+        (NoCheckpointFound("no checkpoint (no gym/ directory) under [red]x[/red]"), "checkpoint_not_found"),
+        (PermissionError(13, "Permission denied"), "storage_error"),
+        (OSError("[Errno 5] Input/output error"), "storage_error"),
+        (ValueError("Protocol not known: [bold]s4"), "storage_error"),
+        (TypeError("__init__() got an unexpected keyword argument 'no_such_option'"), "storage_error"),
+        (RuntimeError("Event loop is closed"), "storage_error"),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, BaseException) else value,
+)
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_what_opening_the_storage_raises_exits_2_never_1(
+    root: Path, monkeypatch: pytest.MonkeyPatch, command: str, error: Exception, code: str
+) -> None:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(gymckpt.cli, "verify" if command == "verify" else "backend_for_url", fail)
+    url = str(root / "ck-7")
+    for as_json in (False, True):
+        result = run(command, url, *(["--json"] if as_json else []))
+        assert result.exit_code == 2, result.output
+        line = assert_one_error_line(result, str(error))  # verbatim: markup in it is kept
+        if not isinstance(error, NoCheckpointFound):
+            assert line.startswith(f"error: cannot read {url}: ")
+        if as_json:
+            assert json_error(result) == {"code": code, "detail": line.removeprefix("error: ")}
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_running_out_of_memory_exits_2_and_is_not_damage(
+    root: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(gymckpt.cli, "verify" if command == "verify" else "backend_for_url", out_of_memory)
+    result = run(command, str(root / "ck-7"))
+    assert result.exit_code == 2, result.output
+    line = assert_one_error_line(result, "ran out of memory", str(root / "ck-7"))
+    assert "not damage" in line
+    assert "DAMAGED" not in result.output
+
+    result = run(command, str(root / "ck-7"), "--json")
+    assert result.exit_code == 2
+    assert json_error(result)["code"] == "out_of_memory"
+
+
+def test_damage_raised_while_verifying_exits_1(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def damaged(*args: Any, **kwargs: Any) -> Any:
+        raise RecordsDigestMismatch("records file hashes to 00, manifest says 11", path="gym/x/records-11.jsonl")
+
+    monkeypatch.setattr(gymckpt.cli, "verify", damaged)
+    result = run("verify", str(root / "ck-7"))
+    assert result.exit_code == 1, result.output
+    assert_one_error_line(result, "gym/x/records-11.jsonl: records file hashes to 00")
+
+
+def test_a_storage_error_while_listing_for_inspect_exits_2(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the manifests for the listing fails: exit 2 with one line, not a traceback."""
+    from gymckpt.store._local import LocalBackend
+
+    def broken(self: Any, path: str) -> Any:
+        raise StorageError(f"cannot read {path}: Input/output error", path=path)
+
+    monkeypatch.setattr(LocalBackend, "open_read", broken)
+    result = run("inspect", str(root / "ck-7"))
+    assert result.exit_code == 2, result.output
+    assert_one_error_line(result, f"cannot read {root / 'ck-7'}: ", "Input/output error")
+
+
+# --- invalid YAML: a startup error naming the file and the position
+
+BAD_YAML = "checkpoint: [unclosed\n"
+BAD_YAML_PROBLEM = "invalid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'"
+
+
+def test_serve_with_invalid_yaml_exits_2_before_uvicorn_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("uvicorn started")
+
+    monkeypatch.setattr(uvicorn, "run", never)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_YAML)
+    result = run("serve", "counter", "--config", str(bad))
+    assert result.exit_code == 2, result.output
+    assert_one_error_line(result, f"{bad}: {BAD_YAML_PROBLEM}")
+
+
+def test_stack_up_with_invalid_yaml_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("servers:\n  - {name: counter, kind: counter}\n\tport: 3\n")
+    result = run("stack", "up", str(bad))
+    assert result.exit_code == 2, result.output
+    line = assert_one_error_line(result, f"{bad}: invalid YAML at line 3, column 1: found character")
+    assert line.count(str(bad)) == 1, line
+
+    bad.write_text(BAD_YAML)
+    result = run("stack", "up", str(bad))
+    assert result.exit_code == 2
+    assert assert_one_error_line(result) == f"error: {bad}: {BAD_YAML_PROBLEM}"
+
+
+def test_the_loaders_raise_value_error_naming_the_file_and_position(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BAD_YAML)
+    expected = f"{bad}: {BAD_YAML_PROBLEM}"
+    with pytest.raises(ValueError) as settings:
+        load_settings(bad)
+    assert str(settings.value) == expected
+    with pytest.raises(ValueError) as config:
+        load_server_config(CounterConfig, bad)
+    assert str(config.value) == expected
+    with pytest.raises(ValueError) as stack:
+        load_stack(bad, workdir=tmp_path)
+    assert str(stack.value) == expected
+
+
+def test_verify_and_inspect_help_state_exit_codes_and_the_json_error() -> None:
+    for command in ("verify", "inspect"):
+        text = one_line(run(command, "--help").stdout)
+        assert "Exit status: 0" in text, text
+        assert "2 usage error or unreachable storage" in text, text
+        assert '{"error": {"code": ..., "detail": ...}}' in text, text
+    assert "1 errors found" in one_line(run("verify", "--help").stdout)
+    assert "1 --dump of a damaged participant (nothing written)" in one_line(run("inspect", "--help").stdout)

@@ -177,3 +177,19 @@ def test_a_continued_result_that_differs_exits_1(tmp_path: Path, monkeypatch: py
     assert outcome.logs_dir.startswith(str(tmp_path))  # kept for a failed demo
     assert (Path(outcome.logs_dir) / "demo" / "environment.log").is_file()
     assert_gone(outcome.server_pids)
+
+
+@pytest.mark.parametrize("name", ["[bold]x", "d[/]x", "[red]r[/red]"])
+def test_markup_in_the_store_path_is_printed_as_written(tmp_path: Path, name: str) -> None:
+    from gymckpt.demo import run_store_demo
+
+    out, text = console()
+    root = tmp_path / name
+    assert run_store_demo(str(root), episodes=4, seed=0, console=out) == EXIT_OK
+    assert f"check it yourself: gymckpt verify {root}/demo-" in text.getvalue()
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    out, text = console()
+    outcome = run_demo(rollouts=2, store_url=str(blocked / name), console=out, logs_dir=tmp_path)
+    assert outcome.exit_code == EXIT_SETUP
+    assert f"{blocked / name}" in text.getvalue()

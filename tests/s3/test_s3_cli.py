@@ -122,3 +122,35 @@ def test_demo_with_an_embedded_s3_endpoint() -> None:
     assert "s3://gymckpt-demo/checkpoints" in result.stdout
     assert "verify: OK (0 errors, 0 warnings" in result.stdout
     assert "identical to what was committed" in result.stdout
+
+
+def test_an_unknown_storage_option_exits_2_with_one_line(
+    checkpoint: dict[str, Any], moto_endpoint: MotoEndpoint
+) -> None:
+    for command in ("verify", "inspect"):
+        result = gymckpt(command, checkpoint["url"], "--endpoint-url", moto_endpoint.url, "-o", "no_such_option=1")
+        assert result.returncode == 2, (result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"error: cannot read {checkpoint['url']}: ")
+        assert "no_such_option" in line
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+@pytest.mark.parametrize(
+    ("url", "endpoint", "code"),
+    [
+        (f"s3://{BUCKET}/root/ck", "http://127.0.0.1:9", "storage_error"),  # nobody listens
+        ("s3://no-such-bucket/ck", None, "storage_error"),
+        (f"s3://{BUCKET}/nothing-here", None, "checkpoint_not_found"),
+    ],
+    ids=["unreachable", "missing_bucket", "no_checkpoint"],
+)
+def test_unusable_storage_with_json_writes_an_error_object(
+    checkpoint: dict[str, Any], moto_endpoint: MotoEndpoint, command: str, url: str, endpoint: str | None, code: str
+) -> None:
+    result = gymckpt(command, url, "--endpoint-url", endpoint or moto_endpoint.url, "-o", "retries=1", "--json")
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == code, error
+    assert result.stderr.splitlines() == [f"error: {error['detail']}"]
