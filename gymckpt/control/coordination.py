@@ -18,9 +18,9 @@ import aiohttp
 import orjson
 
 from gymckpt import errors
-from gymckpt.control.marks import capture_key, split_capture_key
 from gymckpt.control.models import CommitReply, PrepareReply, RestoreReply
 from gymckpt.control.routes import CONTROL_PREFIX
+from gymckpt.identity import capture_key, split_capture_key
 from gymckpt.store import open_store
 
 if TYPE_CHECKING:
@@ -288,8 +288,7 @@ class Coordinator:
             try:
                 manifests = []
                 for reply in commits.values():
-                    _, kind, instance, _ = reply.manifest.rsplit("/", 3)
-                    manifest = store.read_manifest("", kind=kind, instance=instance)
+                    manifest = store.read_manifest("", kind=reply.kind, instance=reply.instance)
                     if manifest.sha256 != reply.manifest_sha256:
                         raise errors.CheckpointIndexInvalid(
                             "the stored manifest differs from the one its commit reported", path=manifest.path

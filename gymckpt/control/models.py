@@ -8,6 +8,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from gymckpt.identity import MAX_ROLLOUT_ID_LENGTH, validate_capture_key, validate_rollout_id
+from gymckpt.store.layout import check_name
+
 __all__ = [
     "CommitReply",
     "CommitRequest",
@@ -39,17 +42,31 @@ class Phase(StrEnum):
     RESTORED = "restored"
 
 
+def is_name(value: str) -> str:
+    """A checkpoint id follows the store's name rule (:func:`gymckpt.store.layout.check_name`)."""
+    return check_name("checkpoint_id", value)
+
+
 def _finite(value: float) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError("deadline_ts must be a finite, positive epoch time in seconds")
     return value
 
 
-CheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+#: the wire's pattern (the schema clients see); the store's one name rule (a checkpoint id names files) enforces it
+CheckpointId = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+    AfterValidator(is_name),
+]
 DeadlineTs = Annotated[float, Field(strict=True), AfterValidator(_finite)]
-#: a capture key: ``r`` or ``r-aN``; never empty, never a path separator or whitespace
-CaptureKey = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^/\s\x00]+$")]
-RolloutId = CaptureKey
+#: a capture key: ``r`` or ``r-aN``, decoded by the one codec (gymckpt.identity)
+CaptureKey = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_ROLLOUT_ID_LENGTH + 11), AfterValidator(validate_capture_key)
+]
+RolloutId = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_ROLLOUT_ID_LENGTH), AfterValidator(validate_rollout_id)
+]
 CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
 
 
@@ -101,6 +118,8 @@ class CommitReply(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     phase: Phase
+    kind: str = Field(description="The participant's kind (its directory under gym/).")
+    instance: str = Field(description="The participant's instance (its directory under gym/<kind>/).")
     checkpoint_id: str
     checkpoint_dir: str
     manifest: str = Field(description="Path of the manifest, relative to checkpoint_dir.")

@@ -1,17 +1,30 @@
 """The interface a server kind implements to take part in checkpoints.
 
-The control plane owns phases, fencing, leases, marks and storage; a participant only
-knows its own executions: how to close and reopen admission, whether it is ready, what
-blocks it, what it exports and installs, and how to stop and free an attempt.
+The control plane owns phases, leases and storage; a participant knows its own
+executions: how to close and reopen admission, whether it is ready, what blocks it, what
+it exports and installs, and how to stop and free an attempt. It also owns its attempt
+fence (:attr:`Participant.fence`, the retire marks its requests are checked against),
+which the plane marks and forgets through and which can be handed to other processes.
+
+Seams a server with several workers uses: :meth:`Participant.bind` and
+:attr:`Participant.middleware` (what ``install_checkpointing`` wires), the checkpoint id
+given to :meth:`Participant.close_admission`, the manifest given to
+:meth:`Participant.install`, :meth:`Participant.forget`, and
+:meth:`Participant.claim_restored` for restored whole-episode state.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from gymckpt.control.marks import RetireMarks
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+
+    from gymckpt.control.plane import ControlPlane
+    from gymckpt.store.manifest import Manifest
 
 __all__ = ["Participant"]
 
@@ -23,10 +36,35 @@ class Participant(ABC):
     kind: str
     #: unique among the participants of one kind
     instance: str
+    #: the control plane driving this participant, once :meth:`bind` was called (checkpointing on)
+    plane: ControlPlane | None = None
+    #: an ASGI middleware class ``install_checkpointing`` adds (``participant=self``), or None
+    middleware: ClassVar[type | None] = None
+
+    @property
+    def fence(self) -> RetireMarks:
+        """The attempt fence: rollouts retired up to an attempt, until forgotten.
+
+        The control plane marks (retire, restore) and forgets through it; requests are
+        checked against it (:meth:`check_attempt`); ``snapshot``/``update`` replicate it.
+        """
+        fence = self.__dict__.get("_fence")
+        if fence is None:
+            fence = self.__dict__["_fence"] = RetireMarks()
+        return fence  # type: ignore[no-any-return]
+
+    def bind(self, plane: ControlPlane) -> None:
+        """Called once by ``install_checkpointing`` with the plane that drives this participant."""
+        self.plane = plane
+
+    def check_attempt(self, key: str) -> None:
+        """Raise :class:`~gymckpt.errors.StaleAttempt` for work of a retired attempt."""
+        self.fence.check(key)
 
     @abstractmethod
-    async def close_admission(self) -> None:
-        """Stop admitting new work; running work goes on to its next boundary."""
+    async def close_admission(self, checkpoint_id: str) -> None:
+        """Stop admitting new work for checkpoint (or restore) ``checkpoint_id``; running work
+        goes on to its next boundary."""
 
     @abstractmethod
     async def open_admission(self) -> None:
@@ -65,9 +103,22 @@ class Participant(ABC):
         """
 
     @abstractmethod
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Install restored records; ``scope`` holds every next-attempt key the restore continues
-        (records are already keyed by their next-attempt capture key)."""
+        (records are already keyed by their next-attempt capture key); ``manifest`` is the one
+        they were read by (its extra fields, e.g. which worker owned which session)."""
+
+    def claim_restored(self, key: str) -> bool:
+        """Take restored whole-episode state of ``key`` for the request that continues it.
+
+        True exactly once per restored key (for the first request of its replacement
+        attempt); False when nothing restored waits under ``key`` or it was claimed already.
+        Default: nothing is restored as whole-episode state.
+        """
+        return False
+
+    async def forget(self, rollout_ids: list[str]) -> None:
+        """The fence forgot these rollouts (every attempt may run again); default: nothing to do."""
 
     @abstractmethod
     async def retire(self, episode_ids: list[str]) -> None:

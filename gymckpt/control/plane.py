@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.control.allowed_roots import check_allowed
-from gymckpt.control.marks import RetireMarks, capture_key, first_keys, split_capture_key
 from gymckpt.control.models import (
     CommitReply,
     ForgetReply,
@@ -41,12 +40,14 @@ from gymckpt.errors import (
     StaleCheckpoint,
     UnsupportedStorage,
 )
+from gymckpt.identity import capture_key, first_keys, split_capture_key
 from gymckpt.store import WriteStop, open_store
 from gymckpt.store.layout import check_name
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from gymckpt.control.marks import RetireMarks
     from gymckpt.control.models import (
         CommitRequest,
         ControlRequest,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     )
     from gymckpt.control.participant import Participant
     from gymckpt.store import CheckpointStore
+    from gymckpt.store.manifest import Manifest
 
 __all__ = ["ControlPlane", "LEASE_RETRY_SECONDS", "REMEMBERED_CHECKPOINTS"]
 
@@ -121,7 +123,6 @@ class ControlPlane:
         self.storage_options = dict(storage_options or {})
         self.allowed_roots = allowed_roots
         self.clock = clock
-        self.marks = RetireMarks()
         self.phase = Phase.IDLE
         self.lease_expires_at: float | None = None
         self._open: _Checkpoint | None = None
@@ -138,6 +139,11 @@ class ControlPlane:
         self._lease_changed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         participant.add_readiness_listener(self._readiness_changed)
+
+    @property
+    def marks(self) -> RetireMarks:
+        """The retire marks: the participant's attempt fence, which this plane marks and forgets through."""
+        return self.participant.fence
 
     # --- helpers
 
@@ -266,7 +272,7 @@ class ControlPlane:
 
     async def _close_admission(self, checkpoint: _Checkpoint) -> None:
         try:
-            await self.participant.close_admission()
+            await self.participant.close_admission(checkpoint.checkpoint_id)
         except BaseException:
             if self._open is checkpoint:
                 await self._reopen_after_failed_close()
@@ -377,6 +383,8 @@ class ControlPlane:
         self._restored_keys.intersection_update(scope)
         reply = CommitReply(
             phase=Phase.COMMITTED,
+            kind=participant.kind,
+            instance=participant.instance,
             checkpoint_id=checkpoint.checkpoint_id,
             checkpoint_dir=store.url,
             manifest=manifest.path,
@@ -470,7 +478,9 @@ class ControlPlane:
         """End the refusal of these rollouts' retired attempts."""
         if self.phase not in (Phase.IDLE, Phase.RESTORED):
             raise InvalidPhase(f"forget is refused while a checkpoint is {self.phase}: resume first")
-        return ForgetReply(forgotten_count=self.marks.forget(request.rollout_ids))
+        forgotten = self.marks.forget(request.rollout_ids)
+        await self._within(request.deadline_ts, self.participant.forget(sorted(set(request.rollout_ids))), "the forget")
+        return ForgetReply(forgotten_count=forgotten)
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
         """Read, verify and install the scoped records under their next attempt (C10)."""
@@ -527,20 +537,20 @@ class ControlPlane:
         installed_scope = sorted(next_keys.values())
         try:
             try:
-                await participant.close_admission()
-                records = await asyncio.to_thread(
+                await participant.close_admission(checkpoint_id)
+                manifest, records = await asyncio.to_thread(
                     _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
                 )
             finally:
                 await _close_store(store)
-            await self._install(records, installed_scope)
+            await self._install(records, installed_scope, manifest)
         except BaseException:
             await self._fail_restore()
             raise
         self._restored_keys = set(installed_scope)
         return RestoreReply(phase=Phase.RESTORED, source_checkpoint_id=checkpoint_id, restored=installed_scope)
 
-    async def _install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def _install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """``participant.install``; a failure that is no gymckpt error is ``invalid_checkpoint_state`` (422).
 
         Participants name the episode whose record they could not install; this names the
@@ -548,7 +558,7 @@ class ControlPlane:
         """
         participant = self.participant
         try:
-            await participant.install(records, scope)
+            await participant.install(records, scope, manifest)
         except GymckptError:
             raise
         except Exception as exc:
@@ -632,9 +642,11 @@ def _next(key: str) -> tuple[str, int]:
 
 def _read_scope(
     store: CheckpointStore, kind: str, instance: str, scope: set[str], next_keys: dict[str, str]
-) -> list[dict[str, Any]]:
+) -> tuple[Manifest, list[dict[str, Any]]]:
+    """The manifest and the scope's records (verified in one pass), keyed by their next attempt."""
+    manifest = store.read_manifest("", kind=kind, instance=instance)
     records = []
-    for record in store.read_participant("", kind=kind, instance=instance, scope=scope):
+    for record in store.read_records(manifest, scope=scope):
         record["episode_id"] = next_keys[record["episode_id"]]
         records.append(record)
-    return records
+    return manifest, records

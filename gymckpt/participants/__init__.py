@@ -1,12 +1,11 @@
-"""Participants: episode identity and episode steps (the kinds of participant build on these)."""
+"""Participants: episode steps and the participant kinds built on them (identity lives in gymckpt.identity)."""
 
-from gymckpt.participants.identity import (
+from gymckpt.errors import InvalidRolloutId, RolloutAttemptConflict
+from gymckpt.identity import (
     MAX_ATTEMPT,
     MAX_ROLLOUT_ID_LENGTH,
     ROLLOUT_PREFIX,
     EpisodeId,
-    InvalidRolloutId,
-    RolloutAttemptConflict,
     default_rollout_id,
     rollout_path,
     split_rollout_path,

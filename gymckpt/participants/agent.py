@@ -44,17 +44,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from gymckpt.control.marks import first_keys, split_capture_key
 from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, SessionBusy, StaleAttempt
-from gymckpt.participants.identity import EpisodeId
+from gymckpt.identity import AttemptsUpTo, EpisodeId, first_keys
 from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeEnded, EpisodeRegistry, StepMode
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-    from gymckpt.control.plane import ControlPlane
     from gymckpt.participants.steps import Episode
+    from gymckpt.store.manifest import Manifest
 
 __all__ = [
     "HOOKS",
@@ -195,22 +194,12 @@ class _AgentParticipantBase(RegistryParticipant):
     def __init__(self, *, instance: str = "agent-0", now: Callable[[], float] = time.monotonic) -> None:
         self.instance = instance
         self.registry = EpisodeRegistry(now=now)
-        self._plane: ControlPlane | None = None
         #: kind of each live episode (SESSION or RUN)
         self._kinds: dict[str, str] = {}
         #: the activation task running for each key (one at a time)
         self._active: dict[str, asyncio.Task[Any]] = {}
 
     # ----------------------------------------------------------------- wiring
-
-    def bind(self, plane: ControlPlane) -> None:
-        """Called by :func:`install_checkpointing`: the plane whose retire marks fence requests."""
-        self._plane = plane
-
-    def check(self, key: str) -> None:
-        """Raise :class:`StaleAttempt` when ``key``'s attempt was retired."""
-        if self._plane is not None:
-            self._plane.marks.check(key)
 
     def kind_of(self, key: str) -> str | None:
         """SESSION or RUN for a live episode, else None."""
@@ -242,7 +231,7 @@ class _AgentParticipantBase(RegistryParticipant):
                 "or give _ng_rollout_id (or _ng_task_index and _ng_rollout_index)"
             )
         EpisodeId.from_capture_key(key)  # a malformed key is invalid_rollout_id
-        self.check(key)
+        self.check_attempt(key)
         if key in self._active:
             raise SessionBusy(f"{key!r} already runs an activation")
         episode = self.registry.get(key)
@@ -286,7 +275,7 @@ class _AgentParticipantBase(RegistryParticipant):
         if key is None:
             raise RolloutIdRequired("closing an agent session needs a rollout id with checkpointing on")
         EpisodeId.from_capture_key(key)
-        self.check(key)
+        self.check_attempt(key)
         if key in self._active:
             raise SessionBusy(f"{key!r} runs an activation; it cannot be closed now")
         if self._kinds.get(key) == SESSION:
@@ -302,17 +291,8 @@ class _AgentParticipantBase(RegistryParticipant):
 
     def _earlier_or_same(self, keys: Iterable[str]) -> list[str]:
         """Live keys of the same rollouts as ``keys``, at or before their attempts."""
-        limits: dict[str, int] = {}
-        for key in keys:
-            rollout, attempt = split_capture_key(key)
-            limits[rollout] = max(attempt, limits.get(rollout, -1))
-        live = set(self.registry.live_keys()).union(self._active)
-        matched = []
-        for key in live:
-            rollout, attempt = split_capture_key(key)
-            if attempt <= limits.get(rollout, -1):
-                matched.append(key)
-        return sorted(matched)
+        covered = AttemptsUpTo(keys)
+        return sorted(key for key in set(self.registry.live_keys()).union(self._active) if covered.covers(key))
 
     async def retire(self, episode_ids: list[str]) -> None:
         """Stop the activations of these attempts and earlier ones, wait, call the retire hook, free."""
@@ -368,7 +348,7 @@ class AgentSessionParticipant(_AgentParticipantBase):
                 records.append({"episode_id": key, "kind": RUN, "boundary": materialize(boundary)})
         return records
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Install sessions (through ``restore_agent_sessions``) and runs under their next-attempt keys."""
         begun: list[str] = []
         states: dict[str, dict[str, Any]] = {}
@@ -446,7 +426,7 @@ class RestartOnlyAgentParticipant(_AgentParticipantBase):
         """Nothing: a restart-only agent's rollouts start over."""
         return []
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Nothing to install (it never exports); stray records are ignored."""
         if records:
             logger.warning("a restart-only agent ignores %d restored records", len(records))

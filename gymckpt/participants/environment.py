@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gymckpt.errors import CheckpointConflict, InvalidCheckpointState
-from gymckpt.participants.identity import EpisodeId
+from gymckpt.identity import AttemptsUpTo
 from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeRegistry
 
 if TYPE_CHECKING:
-    from gymckpt.control.plane import ControlPlane
     from gymckpt.participants.steps import Episode
+    from gymckpt.store.manifest import Manifest
 
 __all__ = ["EnvironmentParticipant", "task_digest"]
 
@@ -42,14 +42,9 @@ class EnvironmentParticipant(RegistryParticipant):
     def __init__(self, instance: str) -> None:
         self.instance = instance
         self.registry = EpisodeRegistry()
-        self.plane: ControlPlane | None = None
         self._digests: dict[str, str] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._continued: set[str] = set()
-
-    def bind(self, plane: ControlPlane) -> None:
-        """Called by install_checkpointing: retire marks live in the plane."""
-        self.plane = plane
 
     # --- episodes, for the server's /run
 
@@ -59,22 +54,28 @@ class EnvironmentParticipant(RegistryParticipant):
         Raises StaleAttempt for a retired attempt, InvalidCheckpointState when a restored
         episode's task differs, CheckpointConflict when the attempt is already running.
         """
-        if self.plane is not None:
-            self.plane.marks.check(key)
+        self.check_attempt(key)
         digest = task_digest(task)
         episode = self.registry.get(key)
         if episode is not None:
-            if not episode.restored or key in self._continued:
-                raise CheckpointConflict(f"episode {key!r} is already running on this server")
-            if self._digests.get(key) != digest:
+            if episode.restored and key not in self._continued and self._digests.get(key) != digest:
                 raise InvalidCheckpointState(
                     f"the task of {key!r} differs from the one its checkpoint recorded", participant=self.participant
                 )
-            self._continued.add(key)
+            if not self.claim_restored(key):
+                raise CheckpointConflict(f"episode {key!r} is already running on this server")
         else:
             episode = self.registry.begin(key)
             self._digests[key] = digest
         return episode
+
+    def claim_restored(self, key: str) -> bool:
+        """The first ``/run`` of a restored episode's replacement attempt takes it (once)."""
+        episode = self.registry.get(key)
+        if episode is None or not episode.restored or key in self._continued:
+            return False
+        self._continued.add(key)
+        return True
 
     def track(self, key: str, task: asyncio.Task[Any]) -> None:
         """The task running ``key``'s episode: a retire cancels it and waits for it."""
@@ -99,7 +100,7 @@ class EnvironmentParticipant(RegistryParticipant):
             for key, boundary in self.registry.export(scope).items()
         ]
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Every record is checked before any is installed: a bad one fails the restore naming its episode."""
         for record in records:
             key = record["episode_id"]
@@ -115,15 +116,8 @@ class EnvironmentParticipant(RegistryParticipant):
                 self._digests[key] = record["task_digest"]
 
     async def retire(self, episode_ids: list[str]) -> None:
-        latest: dict[str, int] = {}
-        for key in episode_ids:
-            episode_id = EpisodeId.from_capture_key(key)
-            latest[episode_id.rollout_id] = max(latest.get(episode_id.rollout_id, -1), episode_id.attempt)
-        doomed = [
-            key
-            for key in self.registry.live_keys()
-            if (parsed := EpisodeId.from_capture_key(key)).attempt <= latest.get(parsed.rollout_id, -1)
-        ]
+        covered = AttemptsUpTo(episode_ids)
+        doomed = [key for key in self.registry.live_keys() if covered.covers(key)]
         gate = asyncio.Semaphore(_RETIRE_CONCURRENCY)
 
         async def stop(key: str) -> None:

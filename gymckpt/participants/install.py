@@ -19,7 +19,14 @@ if TYPE_CHECKING:
 
     from gymckpt.control.participant import Participant
 
-__all__ = ["SeveralWorkersError", "install_checkpointing", "refuse_several_workers", "uvicorn_worker_count"]
+__all__ = [
+    "SeveralWorkersError",
+    "checkpoint_block",
+    "create_control_plane",
+    "install_checkpointing",
+    "refuse_several_workers",
+    "uvicorn_worker_count",
+]
 
 logger = logging.getLogger("gymckpt.participants")
 
@@ -70,17 +77,14 @@ def _refuse_several_workers_at_startup(app: FastAPI) -> None:
     app.router.lifespan_context = lifespan
 
 
-def install_checkpointing(
-    app: FastAPI, participant: Participant, settings: CheckpointSettings | GymckptSettings | None
-) -> ControlPlane | None:
-    """Install the control routes, the rollout prefix and the participant's own middleware.
-
-    With checkpointing off (or no settings) nothing is installed and None is returned, so
-    the server behaves exactly as it does without gymckpt.
-    """
+def checkpoint_block(settings: CheckpointSettings | GymckptSettings | None) -> CheckpointSettings | None:
+    """The enabled ``checkpoint:`` block of ``settings``, or None when checkpointing is off."""
     block = settings.checkpoint if isinstance(settings, GymckptSettings) else settings
-    if block is None or not block.enabled:
-        return None
+    return block if block is not None and block.enabled else None
+
+
+def create_control_plane(participant: Participant, block: CheckpointSettings) -> ControlPlane:
+    """What runs once per server: the control plane (and the stores it opens), bound to ``participant``."""
     if block.allowed_roots is None:
         logger.warning(
             "checkpointing is on without checkpoint.allowed_roots: whoever holds the control token can make "
@@ -93,12 +97,30 @@ def install_checkpointing(
         storage_options=block.storage_options,
         allowed_roots=block.allowed_roots,
     )
-    bind = getattr(participant, "bind", None)
-    if callable(bind):
-        bind(plane)
-    middleware = getattr(participant, "middleware", None)
-    if middleware is not None:
-        app.add_middleware(middleware, participant=participant)
+    participant.bind(plane)
+    return plane
+
+
+def install_checkpointing(
+    app: FastAPI,
+    participant: Participant,
+    settings: CheckpointSettings | GymckptSettings | None,
+    *,
+    plane: ControlPlane | None = None,
+) -> ControlPlane | None:
+    """Install the control routes, the rollout prefix and the participant's own middleware.
+
+    With checkpointing off (or no settings) nothing is installed and None is returned, so
+    the server behaves exactly as it does without gymckpt. ``plane`` is one made by
+    :func:`create_control_plane` (what runs once per server); without it, one is made here.
+    """
+    block = checkpoint_block(settings)
+    if block is None:
+        return None
+    if plane is None:
+        plane = create_control_plane(participant, block)
+    if participant.middleware is not None:
+        app.add_middleware(participant.middleware, participant=participant)
     app.add_middleware(RolloutPrefixMiddleware)
     install_control(app, plane, block.token)
     _refuse_several_workers_at_startup(app)

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from gymckpt.control.participant import Participant
 from gymckpt.errors import InvalidCheckpointState, RolloutIdRequired, StaleAttempt
-from gymckpt.participants.identity import EpisodeId
+from gymckpt.identity import AttemptsUpTo, EpisodeId
 from gymckpt.participants.signal import ChangeSignal
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from gymckpt.control.plane import ControlPlane
+    from gymckpt.store.manifest import Manifest
 
 __all__ = ["CallState", "ModelCall", "ModelParticipant"]
 
@@ -80,7 +80,6 @@ class ModelParticipant(Participant):
 
     def __init__(self, instance: str = "model-0") -> None:
         self.instance = instance
-        self.plane: ControlPlane | None = None
         self._admission_open = True
         self._reopened = asyncio.Event()
         self._reopened.set()
@@ -91,10 +90,6 @@ class ModelParticipant(Participant):
         self._streaming: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
         self._signal = ChangeSignal()
-
-    def bind(self, plane: ControlPlane) -> None:
-        """Called by install_checkpointing: the data path checks retire marks in the plane."""
-        self.plane = plane
 
     # --- the data path, for the server's /v1/responses
 
@@ -166,7 +161,7 @@ class ModelParticipant(Participant):
             raise RolloutIdRequired(
                 "with checkpointing on, model calls carry their rollout: POST /ng-rollout/<capture key>/v1/responses"
             )
-        self.plane.marks.check(episode.capture_key)
+        self.check_attempt(episode.capture_key)
 
     async def _wait_open(self, call: ModelCall, state: CallState) -> None:
         while not self._admission_open:
@@ -230,7 +225,7 @@ class ModelParticipant(Participant):
 
     # --- the Participant interface
 
-    async def close_admission(self) -> None:
+    async def close_admission(self, checkpoint_id: str) -> None:
         self._admission_open = False
         self._reopened.clear()
         self._changed()
@@ -259,7 +254,7 @@ class ModelParticipant(Participant):
         """Nothing: an undelivered call is left out, the agent calls again after a restore."""
         return []
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Nothing to install: a model checkpoint holds no records."""
         if records:
             raise InvalidCheckpointState(
@@ -270,15 +265,12 @@ class ModelParticipant(Participant):
 
     async def retire(self, episode_ids: list[str]) -> None:
         """Stop the calls of these attempts and earlier ones of the same rollouts, wait for them, free them."""
-        latest: dict[str, int] = {}
-        for key in episode_ids:
-            episode = EpisodeId.from_capture_key(key)
-            latest[episode.rollout_id] = max(latest.get(episode.rollout_id, -1), episode.attempt)
+        covered = AttemptsUpTo(episode_ids)
         doomed = [
             call
-            for rollout, attempt in latest.items()
+            for rollout in {EpisodeId.from_capture_key(key).rollout_id for key in episode_ids}
             for call in self._calls.get(rollout, {})
-            if call.episode is not None and call.episode.attempt <= attempt
+            if call.episode is not None and covered.covers(call.episode)
         ]
         for call in doomed:
             call.retired = True

@@ -19,7 +19,7 @@ class RegistryParticipant(Participant):
 
     registry: EpisodeRegistry
 
-    async def close_admission(self) -> None:
+    async def close_admission(self, checkpoint_id: str) -> None:
         self.registry.close()
 
     async def open_admission(self) -> None:

@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from starlette.responses import JSONResponse
 
-from gymckpt.control.marks import first_keys, split_capture_key
 from gymckpt.control.models import error_body
 from gymckpt.control.participant import Participant
 from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, StaleAttempt
+from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.participants.rollout import SESSION_HEADER, current_episode, is_unfenced
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
     from starlette.requests import Request
 
-    from gymckpt.control.plane import ControlPlane
+    from gymckpt.store.manifest import Manifest
 
 __all__ = [
     "RESTART_HEADER",
@@ -182,7 +182,6 @@ class ResourcesParticipant(Participant):
         self.instance = instance
         self.mode: CheckpointMode = mode
         self.verify: CheckpointVerify = verify
-        self.plane: ControlPlane | None = None
         server.checkpoint_participant = self
         self._closed = False
         self._opened: asyncio.Event | None = None
@@ -206,15 +205,6 @@ class ResourcesParticipant(Participant):
     def middleware(self) -> type[ResourcesMiddleware]:
         """The ASGI middleware ``install_checkpointing`` adds (``participant=self``)."""
         return ResourcesMiddleware
-
-    def bind(self, plane: ControlPlane) -> None:
-        """Called by ``install_checkpointing``: retire marks live in the plane."""
-        self.plane = plane
-
-    def check_attempt(self, key: str) -> None:
-        """Raise ``StaleAttempt`` for a request of a retired attempt."""
-        if self.plane is not None:
-            self.plane.marks.check(key)
 
     @property
     def closed(self) -> bool:
@@ -294,7 +284,7 @@ class ResourcesParticipant(Participant):
 
     # ------------------------------------------------------------------ the Participant interface
 
-    async def close_admission(self) -> None:
+    async def close_admission(self, checkpoint_id: str) -> None:
         """New non-replay-safe requests wait; requests in flight go on."""
         if not self._closed:
             self._closed = True
@@ -365,7 +355,7 @@ class ResourcesParticipant(Participant):
                 self._forget(key)  # the server dropped it
         return records
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Hand restored states to ``restore_session_states``; they are live sessions from now on.
 
         The hook takes every state at once: when it raises something that is no gymckpt
@@ -392,23 +382,15 @@ class ResourcesParticipant(Participant):
 
     async def retire(self, episode_ids: list[str]) -> None:
         """Stop the requests of these attempts and earlier ones, wait, free their sessions."""
-        limits: dict[str, int] = {}
-        for key in episode_ids:
-            rollout, attempt = split_capture_key(key)
-            limits[rollout] = max(attempt, limits.get(rollout, -1))
-
-        def hit(key: str) -> bool:
-            rollout, attempt = split_capture_key(key)
-            return attempt <= limits.get(rollout, -1)
-
-        tasks = [task for key, keyed in list(self._tasks.items()) if hit(key) for task in keyed]
+        covered = AttemptsUpTo(episode_ids)
+        tasks = [task for key, keyed in list(self._tasks.items()) if covered.covers(key) for task in keyed]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         victims = dict.fromkeys(
-            chain((key for key in chain(self._sessions, self._late, self._ending) if hit(key)), episode_ids)
+            chain((key for key in chain(self._sessions, self._late, self._ending) if covered.covers(key)), episode_ids)
         )
         for key in victims:
             await self.server.retire_session_state(key)

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from gymckpt.control.models import error_body
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.errors import InvalidRolloutId
-from gymckpt.participants.identity import ROLLOUT_PREFIX, EpisodeId, split_rollout_path
+from gymckpt.identity import ROLLOUT_PREFIX, EpisodeId, split_rollout_path
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -48,6 +48,7 @@ from gymckpt.errors import (
     InvalidRolloutId,
     RestoredInputMismatch,
 )
+from gymckpt.identity import EpisodeId
 from gymckpt.participants.agent import (
     RUN,
     AgentSessionParticipant,
@@ -55,7 +56,6 @@ from gymckpt.participants.agent import (
     RestartOnlyAgentParticipant,
     materialize,
 )
-from gymckpt.participants.identity import EpisodeId
 from gymckpt.participants.rollout import current_episode, episode_context
 from gymckpt.participants.steps import StepMode
 from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, build_app

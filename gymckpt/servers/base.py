@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, read_yaml_file
-from gymckpt.participants.identity import rollout_path
+from gymckpt.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from gymckpt.control.participant import Participant
     from gymckpt.control.plane import ControlPlane
-    from gymckpt.participants.identity import EpisodeId
+    from gymckpt.identity import EpisodeId
 
 __all__ = [
     "HEALTH_PATH",

@@ -15,8 +15,8 @@ from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotation
 from fastapi.responses import JSONResponse
 
 from gymckpt.errors import GymckptError
+from gymckpt.identity import EpisodeId
 from gymckpt.participants.environment import EnvironmentParticipant
-from gymckpt.participants.identity import EpisodeId
 from gymckpt.participants.rollout import episode_context
 from gymckpt.participants.steps import StepMode
 from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, build_app

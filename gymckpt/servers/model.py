@@ -42,7 +42,7 @@ from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, buil
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from gymckpt.participants.identity import EpisodeId
+    from gymckpt.identity import EpisodeId
     from gymckpt.participants.model import ModelCall
 
 __all__ = [

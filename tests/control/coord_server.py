@@ -38,11 +38,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from gymckpt.control.marks import split_capture_key
 from gymckpt.control.participant import Participant
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import CONTROL_PREFIX, install_control
 from gymckpt.errors import StorageError
+from gymckpt.identity import split_capture_key
 
 
 def _keys(name: str) -> list[str]:
@@ -75,7 +75,7 @@ class LoggingParticipant(Participant):
             listener()
 
     # the interface
-    async def close_admission(self) -> None:
+    async def close_admission(self, checkpoint_id: str) -> None:
         self.log("close_admission")
         self.admission.clear()
 
@@ -107,7 +107,7 @@ class LoggingParticipant(Participant):
             await asyncio.sleep(self.export_delay)
         return [{"episode_id": key, "state": self.state[key]} for key in scope if key in self.state]
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Any = None) -> None:
         self.log(f"install {','.join(scope)}")
         if "fail_restore" in self.behaviours:
             raise StorageError(f"{self.kind}/{self.instance}: injected restore failure")

@@ -129,7 +129,7 @@ class FakeParticipant(Participant):
 
     # --- the interface
 
-    async def close_admission(self) -> None:
+    async def close_admission(self, checkpoint_id: str) -> None:
         self._enter("close")
         self.admission_open = False
         if self.close_gate is not None:
@@ -180,7 +180,7 @@ class FakeParticipant(Participant):
         self.calls.append(("export_done", None))
         return records
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Any = None) -> None:
         self._enter("install", list(scope))
         if self.install_gate is not None:
             await self.install_gate.wait()

@@ -46,7 +46,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from gymckpt import errors
-from gymckpt.control.marks import capture_key, split_capture_key
 from gymckpt.control.models import (
     CommitRequest,
     ControlRequest,
@@ -57,6 +56,7 @@ from gymckpt.control.models import (
 )
 from gymckpt.control.participant import Participant
 from gymckpt.control.plane import REMEMBERED_CHECKPOINTS, ControlPlane
+from gymckpt.identity import capture_key, split_capture_key
 from gymckpt.store import CheckpointStore, open_store, verify
 from gymckpt.store._local import LocalBackend
 from gymckpt.store.codec import encode_record, episode_id_of_line
@@ -201,7 +201,7 @@ class MachineParticipant(Participant):
         for listener in self.listeners:
             listener()
 
-    async def close_admission(self) -> None:
+    async def close_admission(self, checkpoint_id: str) -> None:
         self.admission_open = False
 
     async def open_admission(self) -> None:
@@ -231,7 +231,7 @@ class MachineParticipant(Participant):
             await self.export_gate.wait()
         return [{"episode_id": key, "state": self.state[key]} for key in scope if key in self.state]
 
-    async def install(self, records: list[dict[str, Any]], scope: list[str]) -> None:
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Any = None) -> None:
         if self.install_gate is not None:
             self.install_entered.set()
             await self.install_gate.wait()

@@ -7,7 +7,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from gymckpt.errors import GymckptError
-from gymckpt.participants.identity import (
+from gymckpt.identity import (
     MAX_ATTEMPT,
     MAX_ROLLOUT_ID_LENGTH,
     ROLLOUT_PREFIX,

@@ -232,13 +232,13 @@ def test_session_woken_by_resume_stays_parked_when_a_new_checkpoint_closed_first
             participant = agent.participant
             task = asyncio.create_task(agent.responses("w", PROMPT))
             await wait_event(held.entered)
-            await participant.close_admission()
+            await participant.close_admission("c-test")
             held.release.set()
             # the replay step's result came back while closed: parked, still at the boundary before it
             await until(lambda: participant.counts()["parked"] == 1)
 
             await participant.open_admission()
-            await participant.close_admission()  # before the woken session ran
+            await participant.close_admission("c-test")  # before the woken session ran
             await drain()
             assert participant.counts()["parked"] == 1
             assert len(fakes.model.where(key="w")) == 1
@@ -405,7 +405,7 @@ def test_legacy_run_verify_in_wait_mode_blocks_the_checkpoint(fakes: Fakes) -> N
             participant = agent.participant
             task = asyncio.create_task(agent.run(_row("V")))
             await wait_event(held.entered)
-            await participant.close_admission()
+            await participant.close_admission("c-test")
             assert participant.blockers(100) == ["V"]
             held.release.set()
             await until(participant.ready)

@@ -11,7 +11,7 @@ import pytest
 
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.errors import InvalidCheckpointState
-from gymckpt.participants.identity import EpisodeId
+from gymckpt.identity import EpisodeId
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.servers.inference import generate_tokens
 from gymckpt.store import open_store
@@ -371,9 +371,9 @@ def test_the_participant_exports_nothing_and_installs_only_nothing() -> None:
         participant = ModelParticipant("model-7")
         assert participant.kind == "model"
         assert await participant.export(["a", "b"]) == []
-        await participant.install([], ["a-a1"])
+        await participant.install([], ["a-a1"], None)
         with pytest.raises(InvalidCheckpointState, match="a-a1"):
-            await participant.install([{"episode_id": "a-a1"}], ["a-a1"])
+            await participant.install([{"episode_id": "a-a1"}], ["a-a1"], None)
         assert participant.restarts() == []
 
     run(main)
@@ -386,7 +386,7 @@ def test_the_participant_holds_a_stream_then_counts_it_as_a_blocker() -> None:
         participant.add_readiness_listener(lambda: notified.append(participant.ready()))
         call = participant.admit(EpisodeId("r", 2), stream=True)
         await participant.respond(call, lambda: asyncio.sleep(0))
-        await participant.close_admission()
+        await participant.close_admission("c-test")
         gate = asyncio.create_task(participant.start_stream(call))
         await participant.wait_until(lambda: participant.counts()["held"] == 1, TIMEOUT)
         assert participant.ready()
@@ -394,7 +394,7 @@ def test_the_participant_holds_a_stream_then_counts_it_as_a_blocker() -> None:
         await participant.open_admission()
         await bounded(gate)
         assert participant.counts()["streaming"] == 1
-        await participant.close_admission()
+        await participant.close_admission("c-test")
         assert (participant.ready(), participant.blockers(10), participant.blocker_count()) == (False, ["r-a2"], 1)
         assert participant.blockers(0) == []
         participant.finish(call)

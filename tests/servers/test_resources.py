@@ -262,7 +262,7 @@ def test_request_woken_by_resume_waits_again_when_a_new_checkpoint_closed() -> N
             await until(lambda: participant.counts()["waiting"] == 1)
             # resume and close again before the woken request runs
             await participant.open_admission()
-            await participant.close_admission()
+            await participant.close_admission("c-test")
             await until(lambda: participant.counts()["waiting"] == 1)
             for _ in range(20):
                 await asyncio.sleep(0)
@@ -432,7 +432,7 @@ def test_request_waiting_for_resume_is_refused_if_its_attempt_was_marked_meanwhi
         participant = app.state.participant
         async with client(app) as http:
             await http.post(rp("r", "/seed_session"))
-            await participant.close_admission()
+            await participant.close_admission("c-test")
             waiting = asyncio.create_task(http.post(rp("r", "/tool"), json={}))
             await until(lambda: participant.counts()["waiting"] == 1)
             app.state.plane.marks.mark("r")  # a retire marks first, before it stops anything

@@ -1,9 +1,10 @@
-"""Episode identity: rollout ids, attempts, capture keys and the rollout path prefix (I1).
+"""Episode identity, at the bottom of the layers: rollout ids, attempts, capture keys, the rollout prefix.
 
 An episode is one attempt of one rollout. Its capture key names it everywhere:
 ``r`` for attempt 0 and ``r-aN`` for attempt ``N >= 1``. The suffix ``-a<N>`` is
 therefore reserved: a rollout id never ends with it, and an explicit id that does
-names attempt ``N`` of the rest of the id.
+names attempt ``N`` of the rest of the id. This module is the one codec of capture keys:
+the control plane, its request models and the participants all parse them here.
 
 Decisions this module makes:
 
@@ -24,22 +25,24 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gymckpt.control.marks import split_capture_key
 from gymckpt.errors import InvalidRolloutId, RolloutAttemptConflict
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Iterable, Mapping
 
 __all__ = [
     "MAX_ATTEMPT",
     "MAX_ROLLOUT_ID_LENGTH",
     "ROLLOUT_PREFIX",
+    "AttemptsUpTo",
     "EpisodeId",
-    "InvalidRolloutId",
-    "RolloutAttemptConflict",
+    "capture_key",
     "default_rollout_id",
+    "first_keys",
     "rollout_path",
+    "split_capture_key",
     "split_rollout_path",
+    "validate_capture_key",
     "validate_rollout_id",
 ]
 
@@ -52,6 +55,7 @@ ROLLOUT_PREFIX = "/ng-rollout/"
 
 # ``-a`` and digits at the very end: the reserved attempt suffix (canonical or not)
 _SUFFIX = re.compile(r"-a([0-9]+)\Z")
+
 # characters a rollout id may not contain (besides non-printable ones)
 _FORBIDDEN = re.compile(r"[\s/?#%\\]")
 
@@ -86,6 +90,94 @@ def _validate_attempt(attempt: object, what: str = "attempt") -> int:
     return attempt
 
 
+def split_capture_key(key: str) -> tuple[str, int]:
+    """``"r"`` → ``("r", 0)``; ``"r-aN"`` → ``("r", N)`` for N ≥ 1; anything else is refused.
+
+    The rollout id is validated too (:func:`validate_rollout_id`); a non-canonical suffix
+    (``-a0``, ``-a01``) or an attempt beyond :data:`MAX_ATTEMPT` is :class:`InvalidRolloutId`.
+    """
+    if not isinstance(key, str):
+        raise InvalidRolloutId(f"a capture key must be a string, not {type(key).__name__}")
+    if not key:
+        raise InvalidRolloutId("a capture key must not be empty")
+    match = _SUFFIX.search(key)
+    if match is None:
+        return validate_rollout_id(key), 0
+    digits = match.group(1)
+    if digits.startswith("0"):
+        raise InvalidRolloutId(
+            f"capture key {key!r} has a non-canonical attempt suffix: attempt 0 has no suffix, attempts no leading zeros"
+        )
+    if len(digits) > len(str(MAX_ATTEMPT)) or int(digits) > MAX_ATTEMPT:
+        raise InvalidRolloutId(f"capture key {key!r} names an attempt beyond {MAX_ATTEMPT}")
+    return validate_rollout_id(key[: match.start()]), int(digits)
+
+
+def capture_key(rollout_id: str, attempt: int) -> str:
+    """The capture key of an attempt: ``r`` for attempt 0, ``r-aN`` after."""
+    return EpisodeId(rollout_id, attempt).capture_key
+
+
+def validate_capture_key(key: object) -> str:
+    """Return ``key`` if it is a canonical capture key, else raise :class:`InvalidRolloutId`."""
+    split_capture_key(key)  # type: ignore[arg-type]
+    return key  # type: ignore[return-value]
+
+
+def first_keys(keys: list[str], limit: int = 5) -> str:
+    """``'a', 'b' (and 3 more)``: the episodes an error names when it cannot name just one."""
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    more = len(keys) - limit
+    return f"{shown} (and {more} more)" if more > 0 else shown or "no episode"
+
+
+class AttemptsUpTo:
+    """Every attempt of a rollout up to an attempt: for each rollout, the highest one covered.
+
+    Retire marks are one (a rollout refused up to an attempt); so is the set of executions a
+    retire of some keys stops.
+    """
+
+    def __init__(self, keys: Iterable[str] = ()) -> None:
+        self._highest: dict[str, int] = {}
+        for key in keys:
+            self.add(key)
+
+    def __len__(self) -> int:
+        return len(self._highest)
+
+    def add(self, key: str) -> None:
+        """Cover ``key``'s attempt and every earlier attempt of its rollout."""
+        rollout, attempt = split_capture_key(key)
+        if self._highest.get(rollout, -1) < attempt:
+            self._highest[rollout] = attempt
+
+    def add_before(self, key: str) -> None:
+        """Cover every attempt of ``key``'s rollout before ``key``'s own."""
+        rollout, attempt = split_capture_key(key)
+        if attempt > 0 and self._highest.get(rollout, -1) < attempt - 1:
+            self._highest[rollout] = attempt - 1
+
+    def covers(self, key: str | EpisodeId) -> bool:
+        """True when ``key``'s attempt is covered."""
+        rollout, attempt = (key.rollout_id, key.attempt) if isinstance(key, EpisodeId) else split_capture_key(key)
+        return attempt <= self._highest.get(rollout, -1)
+
+    def remove(self, rollout_ids: Iterable[str]) -> int:
+        """Drop these rollouts; return how many were there."""
+        return sum(self._highest.pop(rollout, None) is not None for rollout in set(rollout_ids))
+
+    def snapshot(self) -> dict[str, int]:
+        """``{rollout id: highest attempt}``, to hand to another process (a worker)."""
+        return dict(self._highest)
+
+    def update(self, highest: Mapping[str, int]) -> None:
+        """Cover what a :meth:`snapshot` covers, too."""
+        for rollout, attempt in highest.items():
+            if self._highest.get(rollout, -1) < attempt:
+                self._highest[rollout] = attempt
+
+
 @dataclass(frozen=True, order=True, slots=True)
 class EpisodeId:
     """One attempt of one rollout; ``capture_key`` is its name everywhere."""
@@ -112,9 +204,7 @@ class EpisodeId:
     @classmethod
     def from_capture_key(cls, key: object) -> EpisodeId:
         """Decode a capture key; a key with a non-canonical suffix (``r-a0``, ``r-a01``) is refused."""
-        if not isinstance(key, str):
-            raise InvalidRolloutId(f"a capture key must be a string, not {type(key).__name__}")
-        rollout_id, attempt = split_capture_key(key)
+        rollout_id, attempt = split_capture_key(key)  # type: ignore[arg-type]
         return cls(rollout_id, attempt)
 
     @classmethod
