@@ -20,7 +20,7 @@ from rich.text import Text
 
 from gymckpt._version import __version__
 from gymckpt.errors import GymckptError, InvalidCheckpointState, UnusableDirectory
-from gymckpt.servers.stack import KINDS, build_server, load_stack
+from gymckpt.stack import KINDS, build_server, load_stack
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
 from gymckpt.store.layout import check_name
@@ -472,7 +472,10 @@ def demo_command(rollouts: int, store_url: str, keep: bool, seed: int, store_onl
                 _fail(str(exc))
         sys.exit(run_store_demo(store_url, episodes=episodes, seed=seed, console=_stdout))
     if store_url == "s3":
-        outcome = run_s3_demo(rollouts=rollouts, keep=keep, seed=seed, console=_stdout, progress_console=_stderr)
+        try:  # moto or s3fs missing: one line naming the extra to install
+            outcome = run_s3_demo(rollouts=rollouts, keep=keep, seed=seed, console=_stdout, progress_console=_stderr)
+        except GymckptError as exc:
+            _fail(str(exc))
     else:
         outcome = run_demo(
             rollouts=rollouts, store_url=store_url, keep=keep, seed=seed, console=_stdout, progress_console=_stderr

@@ -28,7 +28,7 @@ from gymckpt.errors import (
 )
 from gymckpt.servers.base import load_server_config
 from gymckpt.servers.counter import CounterConfig
-from gymckpt.servers.stack import load_stack
+from gymckpt.stack import load_stack
 from gymckpt.store import open_store, verify
 from gymckpt.store.codec import decode_line
 from gymckpt.store.manifest import RECORDS_NAME_PATTERN

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from gymckpt.demo import run_demo
-from gymckpt.demo_report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, compare_results
+from gymckpt.demo.report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, compare_results
 from gymckpt.store import verify
 
 ROLLOUTS = 8
@@ -156,7 +156,7 @@ def test_demo_with_an_embedded_s3_endpoint(tmp_path: Path) -> None:
 
 
 def test_a_continued_result_that_differs_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gymckpt import demo
+    from gymckpt.demo import full as demo
 
     original = demo._Demo._continue
 
@@ -193,3 +193,21 @@ def test_markup_in_the_store_path_is_printed_as_written(tmp_path: Path, name: st
     outcome = run_demo(rollouts=2, store_url=str(blocked / name), console=out, logs_dir=tmp_path)
     assert outcome.exit_code == EXIT_SETUP
     assert f"{blocked / name}" in text.getvalue()
+
+
+@pytest.mark.parametrize("store_only", [False, True], ids=["full", "store-only"])
+def test_store_s3_without_moto_names_the_extra(monkeypatch: pytest.MonkeyPatch, store_only: bool) -> None:
+    from click.testing import CliRunner
+
+    from gymckpt.cli import main
+
+    monkeypatch.setitem(sys.modules, "moto", None)  # as if moto were not installed: importing it fails
+    args = ["demo", "--store", "s3", "--rollouts", "2", *(["--store-only"] if store_only else [])]
+    result = CliRunner().invoke(main, args, env={"COLUMNS": "200"}, catch_exceptions=False)
+    assert result.exit_code == EXIT_SETUP, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: gymckpt demo --store s3 needs moto")
+    assert "moto is not installed" in line
+    assert line.endswith("pip install 'gymckpt[demo-s3]'")
+    assert "Traceback" not in result.output
+    assert result.stdout == ""  # nothing started: no table

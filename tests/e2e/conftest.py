@@ -1,7 +1,7 @@
 """The process-level end-to-end suite: the reference stack as real processes on loopback.
 
 Every server of the stack (inference, model, resources, agent, environment) is a real
-``gymckpt serve`` process in its own process group (:class:`~gymckpt.servers.harness.RolloutHarness`).
+``gymckpt serve`` process in its own process group (:class:`~gymckpt.stack.harness.RolloutHarness`).
 A crash is SIGKILL of every Gym server's process group; the inference backend survives
 it, so its ``/calls`` log tells which model calls a restore made again. A restore always
 goes through :class:`~gymckpt.control.coordination.Coordinator` into freshly started
@@ -51,16 +51,16 @@ from aiohttp import web
 
 from gymckpt.control.coordination import Coordinator, runs_to_await
 from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.participants.identity import EpisodeId
-from gymckpt.servers.harness import TOOLS, RolloutHarness, default_stack_spec, task_for
+from gymckpt.identity import EpisodeId
 from gymckpt.servers.model import canonical_prompt
+from gymckpt.stack.harness import TOOLS, RolloutHarness, default_stack_spec, task_for
 from gymckpt.store import open_store, verify
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Iterable, Iterator
     from pathlib import Path
 
-    from gymckpt.servers.harness import CheckpointOutcome
+    from gymckpt.stack.harness import CheckpointOutcome
 
 TOKEN = "e2e-token"
 #: the bound of any single wait (seconds)

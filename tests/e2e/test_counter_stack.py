@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.servers.harness import RolloutHarness, default_stack_spec, task_for
+from gymckpt.stack.harness import RolloutHarness, default_stack_spec, task_for
 from tests.e2e.conftest import TOKEN, TOKEN_DELAY, WAIT, E2EStack, calls_of, e2e_stack, key_of, next_key
 
 if TYPE_CHECKING:

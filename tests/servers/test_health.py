@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gymckpt.participants.rollout import UNFENCED_PATHS, is_unfenced
-from gymckpt.servers.stack import KINDS, build_server
+from gymckpt.stack import KINDS, build_server
 
 from .resources_support import AUTH, CONTROL, TOKEN, client, rp, run
 

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gymckpt.servers.stack import load_stack
+from gymckpt.stack import load_stack
 from tests.servers.env_support import FakeDownstream, serve
 
 TASK = {"task_id": {"taskset": "demo", "task_id": "t1"}, "task_input": {"prompt": "count"}}

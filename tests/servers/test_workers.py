@@ -1,6 +1,6 @@
 """A checkpointing server refuses to start as one of several uvicorn workers (one worker per server today).
 
-The real check: ``uvicorn --factory gymckpt.servers.stack:app_from_env --workers 2`` as a
+The real check: ``uvicorn --factory gymckpt.stack:app_from_env --workers 2`` as a
 subprocess must never answer and must end, its output naming the limit and the planned
 ``gymckpt.workers`` feature; the same command with ``--workers 1`` serves ``/health``.
 Every wait is bounded; between attempts the test waits on the process itself.
@@ -62,7 +62,7 @@ class Uvicorn:
                     "-m",
                     "uvicorn",
                     "--factory",
-                    "gymckpt.servers.stack:app_from_env",
+                    "gymckpt.stack:app_from_env",
                     "--workers",
                     str(workers),
                     "--host",

@@ -17,7 +17,16 @@ if TYPE_CHECKING:
 
     from gymckpt.store.verify import VerifyReport
 
-__all__ = ["EXIT_DIFFERS", "EXIT_OK", "EXIT_SETUP", "DemoOutcome", "Progress", "compare_results", "render"]
+__all__ = [
+    "EXIT_DIFFERS",
+    "EXIT_OK",
+    "EXIT_SETUP",
+    "DemoOutcome",
+    "Progress",
+    "compare_results",
+    "render",
+    "render_kept",
+]
 
 #: exit codes of the demo: success, a rollout lost or a result different, a setup failure
 EXIT_OK, EXIT_DIFFERS, EXIT_SETUP = 0, 1, 2
@@ -229,6 +238,20 @@ def render(outcome: DemoOutcome, console: Console) -> None:
         console.print(f"[bold red]demo failed:[/] {escape(outcome.error)}", highlight=False)
     if outcome.logs_dir and (outcome.exit_code != EXIT_OK or outcome.kept_urls):
         console.print(f"server logs: {outcome.logs_dir}", highlight=False, markup=False)
+
+
+def render_kept(outcome: DemoOutcome, pids: Mapping[str, int], token: str, console: Console) -> None:
+    """``--keep``: the stack left running, its control token, and how to stop it."""
+    console.print(f"the demo stack keeps running (--keep); control token {token}:", highlight=False, markup=False)
+    for name, url in outcome.kept_urls.items():
+        console.print(f"  {name:<12} {url}  (process group {pids.get(name, '?')})", highlight=False, markup=False)
+    if outcome.embedded_endpoint:
+        console.print(
+            "  note: the embedded S3 endpoint stopped with the demo; checkpoints of this stack into it will fail",
+            highlight=False,
+        )
+    groups = " ".join(f"-{pid}" for pid in pids.values())
+    console.print(f"stop it: kill -TERM -- {groups}", highlight=False, markup=False)
 
 
 def _bad(count: int) -> str:

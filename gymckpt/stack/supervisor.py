@@ -1,4 +1,4 @@
-"""Run reference servers as real processes: one server (`serve`), or a whole stack from YAML.
+"""Supervise a stack of reference servers as real processes: start, SIGKILL, restart, from YAML or a dict.
 
 Each server of a stack runs in its own process group on a listening socket the stack
 opened and keeps: connections made before the server is up wait in the socket's
@@ -21,7 +21,6 @@ A stack file::
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import socket
@@ -30,54 +29,14 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from gymckpt.control.settings import read_yaml_file
+from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields
 
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-    from gymckpt.servers.base import ServerConfig
-
-__all__ = ["KINDS", "ServerProcess", "Stack", "app_from_env", "build_server", "load_stack"]
-
-#: server kind → (module, config class, app builder); imported when used
-KINDS: dict[str, tuple[str, str, str]] = {
-    "inference": ("gymckpt.servers.inference", "InferenceConfig", "build_inference_app"),
-    "model": ("gymckpt.servers.model", "ModelServerConfig", "build_model_app"),
-    "agent": ("gymckpt.servers.agent", "AgentConfig", "build_agent_app"),
-    "counter": ("gymckpt.servers.counter", "CounterConfig", "build_counter_app"),
-    "weather": ("gymckpt.servers.weather", "WeatherConfig", "build_weather_app"),
-    "environment": ("gymckpt.servers.environment", "EnvironmentConfig", "build_environment_app"),
-}
-#: kinds that are not Gym servers: they get no checkpoint block
-_NOT_GYM = frozenset({"inference"})
-
-
-def build_server(kind: str, config: str | Path | dict[str, Any] | None) -> tuple[FastAPI, ServerConfig]:
-    """The app of one server ``kind`` from its config file or dict."""
-    from gymckpt.servers.base import load_server_config
-
-    if kind not in KINDS:
-        raise ValueError(f"unknown server kind {kind!r}; one of {', '.join(KINDS)}")
-    module_name, config_name, builder_name = KINDS[kind]
-    module = importlib.import_module(module_name)
-    loaded = load_server_config(getattr(module, config_name), config)
-    return getattr(module, builder_name)(loaded), loaded
-
-
-def app_from_env() -> FastAPI:
-    """An app factory for ``uvicorn --factory gymckpt.servers.stack:app_from_env``.
-
-    The server kind comes from ``GYMCKPT_SERVER_KIND`` (default ``counter``), its config file
-    from ``GYMCKPT_SERVER_CONFIG`` (optional), and the ``checkpoint:`` block may come from
-    ``GYMCKPT_CHECKPOINT__…`` variables (``GYMCKPT_CHECKPOINT__ENABLED=true``, …).
-    """
-    kind = os.environ.get("GYMCKPT_SERVER_KIND", "counter")
-    app, _ = build_server(kind, os.environ.get("GYMCKPT_SERVER_CONFIG") or None)
-    return app
+__all__ = ["ServerProcess", "Stack", "load_stack"]
 
 
 @dataclass
@@ -210,20 +169,12 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
     urls = stack.urls
     for name, kind, config in entries:
         resolved = _resolve(config, urls)
-        if checkpoint is not None and kind not in _NOT_GYM and "checkpoint" not in resolved:
+        if checkpoint is not None and kind not in NOT_GYM and "checkpoint" not in resolved:
             resolved["checkpoint"] = checkpoint
-        if "instance" in _config_fields(kind):
+        if "instance" in config_fields(kind):
             resolved.setdefault("instance", name)
         stack.servers[name].config = resolved
     return stack
-
-
-def _config_fields(kind: str) -> set[str]:
-    module_name, config_name, _ = KINDS[kind]
-    try:
-        return set(getattr(importlib.import_module(module_name), config_name).model_fields)
-    except (ImportError, AttributeError):
-        return set()
 
 
 def _resolve(value: Any, urls: dict[str, str]) -> Any:

@@ -1,11 +1,9 @@
-"""``gymckpt demo`` (D2): checkpoint in-flight rollouts, kill every server, restore, continue, verify.
+"""The full demo (``gymckpt demo``): its phases, driving the reference stack through :class:`RolloutHarness`.
 
-The full demo (``run_demo``; ``make demo``):
-
-1. An uninterrupted run: the reference stack (gymckpt.servers.harness) as real processes on
-   loopback, every rollout's task run to its result once, without a checkpoint; then that
-   stack is closed. Its results are what the interrupted run must reproduce (the reference
-   stack is deterministic: the same task gives the same reward and response).
+1. An uninterrupted run: the reference stack as real processes on loopback, every
+   rollout's task run to its result once, without a checkpoint; then that stack is
+   closed. Its results are what the interrupted run must reproduce (the reference stack is
+   deterministic: the same task gives the same reward and response).
 2. A fresh stack runs the same tasks. Rollouts are started one after the other over a
    window as long as the uninterrupted run's median rollout, so at the checkpoint the ones
    still running stand at different turns. The checkpoint is taken, event-driven, as soon
@@ -17,24 +15,13 @@ The full demo (``run_demo``; ``make demo``):
    every participant resumes, and each exported rollout's next attempt (``r-a1``) is run
    to its result. A rollout that could not be captured starts over from its input.
 4. Every result is compared with the uninterrupted run's, the checkpoint is verified
-   offline, and a table is printed. Exit status: 0 success, 1 a rollout lost, a result
-   different or a damaged checkpoint (or a phase failing after the rollouts started),
-   2 a setup failure (stack, store, embedded endpoint).
-
-``--store s3`` runs the same demo against an S3 endpoint served by moto inside the demo
-process: every Gym server gets its endpoint and credentials through the checkpoint
-block's ``storage_options``, and the coordinator and ``verify`` get them too.
-
-``--store-only`` is the earlier demo of the store alone: generated records of four
-participants written, published, verified and one scope restored, without servers.
+   offline, and a table is printed (:mod:`gymckpt.demo.report`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import random
 import secrets
 import shutil
 import statistics
@@ -45,43 +32,39 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
 
-from gymckpt.control.coordination import Coordinator, runs_to_await
-from gymckpt.control.marks import capture_key, split_capture_key
-from gymckpt.demo_report import (
+from gymckpt.control.coordination import runs_to_await
+from gymckpt.demo.measure import redone_model_calls, stages_at_checkpoint
+from gymckpt.demo.report import (
     EXIT_DIFFERS,
     EXIT_OK,
     EXIT_SETUP,
     DemoOutcome,
     Progress,
     compare_results,
-    count_stages,
     mean_reward,
     render,
+    render_kept,
     result_of,
-    stage_label,
     stage_summary,
 )
-from gymckpt.servers.harness import RolloutHarness, default_stack_spec, task_for
-from gymckpt.servers.stack import load_stack
-from gymckpt.store import open_store, verify
+from gymckpt.identity import capture_key, split_capture_key
+from gymckpt.stack.harness import RolloutHarness, StackNotReady, default_stack_spec, task_for
+from gymckpt.store import verify
 from gymckpt.store.checkpoint_store import backend_for_url
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine, Iterator
+    from collections.abc import Coroutine
 
     from rich.console import Console
 
+    from gymckpt.control.coordination import Coordinator
     from gymckpt.control.models import CommitReply
 
-__all__ = ["DEMO_BUCKET", "run_demo", "run_s3_demo", "run_s3_store_demo", "run_store_demo"]
+__all__ = ["run_demo"]
 
 T = TypeVar("T")
 
-#: the bucket ``gymckpt demo --store s3`` creates on its embedded endpoint
-DEMO_BUCKET = "gymckpt-demo"
 #: the bounds of the launch window (seconds), whatever the uninterrupted run measured
 _LAUNCH_WINDOW_BOUNDS = (0.2, 5.0)
 #: how long the ``/run`` calls the environment ended before its export may take to reply
@@ -133,56 +116,8 @@ def run_demo(
     asyncio.run(demo.run())
     render(demo.outcome, console)
     if demo.outcome.kept_urls:
-        _print_kept(demo.outcome, demo.kept_pids, demo.token, console)
+        render_kept(demo.outcome, demo.kept_pids, demo.token, console)
     return demo.outcome
-
-
-def run_s3_demo(
-    *,
-    rollouts: int = 64,
-    keep: bool = False,
-    seed: int = 0,
-    console: Console,
-    progress_console: Console | None = None,
-    timeout: float = 120.0,
-    logs_dir: Path | None = None,
-) -> DemoOutcome:
-    """The full demo with the checkpoint on an S3 endpoint served by moto in this process.
-
-    Starts moto's server on 127.0.0.1 and a free port, creates a bucket, and runs the demo
-    against ``s3://gymckpt-demo/checkpoints`` with the endpoint and dummy credentials in
-    every Gym server's ``storage_options``; the endpoint stops when the demo ends.
-    """
-    from gymckpt.store.moto_endpoint import MotoEndpoint
-
-    store_url = f"s3://{DEMO_BUCKET}/checkpoints"
-    try:
-        endpoint = MotoEndpoint().start()
-        endpoint.create_bucket(DEMO_BUCKET)
-    except Exception as exc:  # moto missing, no port, bucket refused: the demo cannot start
-        outcome = DemoOutcome(rollouts=rollouts, store_url=store_url)
-        outcome.error = f"the embedded S3 endpoint did not start: {exc}"
-        outcome.exit_code = EXIT_SETUP
-        render(outcome, console)
-        return outcome
-    try:
-        (progress_console or console).print(
-            f"embedded S3 endpoint (moto) at {endpoint.url}, bucket {DEMO_BUCKET}", highlight=False
-        )
-        return run_demo(
-            rollouts=rollouts,
-            store_url=store_url,
-            keep=keep,
-            seed=seed,
-            console=console,
-            progress_console=progress_console,
-            storage_options=endpoint.storage_options(),
-            embedded_endpoint=endpoint.url,
-            timeout=timeout,
-            logs_dir=logs_dir,
-        )
-    finally:
-        endpoint.stop()
 
 
 class _Demo:
@@ -219,7 +154,6 @@ class _Demo:
         self.kept_pids: dict[str, int] = {}
         #: the uninterrupted run's median rollout duration: the launch window of the interrupted run
         self.median_rollout = 1.0
-        self._session: aiohttp.ClientSession | None = None
         #: every task the demo started: cancelled at cleanup, so none outlives it (an interrupt included)
         self._spawned: set[asyncio.Task[Any]] = set()
 
@@ -273,10 +207,12 @@ class _Demo:
 
         gym = await self._crash_and_restart(demo, gym, runs)
         calls_before = await self._model_calls(demo)
-        await self._restore(gym, exported)
+        await self._restore(demo, gym, exported)
         finals.update(await self._continue(demo, gym, exported, to_restart))
         calls_after = await self._model_calls(demo)
-        self._count_redone_model_calls(calls_before, calls_after, exported)
+        outcome.model_calls_before_crash, outcome.model_calls_redone = redone_model_calls(
+            calls_before, calls_after, exported
+        )
 
         outcome.lost, outcome.differing = compare_results(reference, finals)
         outcome.mean_reward = mean_reward(finals.values())
@@ -292,7 +228,7 @@ class _Demo:
             )
         await self._verify()
         if self.keep:
-            self._keep(demo)
+            await self._keep(demo)
         problems = []
         if outcome.lost:
             problems.append(f"{_n(len(outcome.lost), 'rollout')} lost")
@@ -341,12 +277,11 @@ class _Demo:
         stack = await self._start_stack("uninterrupted")
         await self._wait_up(stack, "uninterrupted")
         self.progress(f"uninterrupted run: the reference stack answers after {time.perf_counter() - began:.1f} s")
-        url = stack.urls["environment"]
         durations: dict[str, float] = {}
 
         async def timed(key: str) -> dict[str, Any]:
             began = time.perf_counter()
-            reply = await self._run(url, key, self.tasks[key])
+            reply = await stack.run(key, self.tasks[key])
             durations[key] = time.perf_counter() - began
             return reply
 
@@ -355,7 +290,7 @@ class _Demo:
             async with asyncio.timeout(self.timeout):
                 replies = await asyncio.gather(*(timed(key) for key in self.tasks))
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _Failed(f"the uninterrupted run failed: {exc!r}{self._log_tails(stack)}", EXIT_SETUP) from exc
+            raise _Failed(f"the uninterrupted run failed: {exc!r}{stack.log_tails()}", EXIT_SETUP) from exc
         self.outcome.uninterrupted_seconds = time.perf_counter() - began
         reference = {key: result_of(reply) for key, reply in zip(self.tasks, replies, strict=True)}
         failed = [key for key, result in reference.items() if result is None]
@@ -386,7 +321,6 @@ class _Demo:
         window = min(max(self.median_rollout, low), high)
         at_once = (len(self.tasks) + 1) // 2
         interval = window / max(len(self.tasks) - at_once, 1)
-        url = stack.urls["environment"]
         runs: dict[str, asyncio.Task[dict[str, Any]]] = {}
         running = 0
         first_finished = asyncio.Event()
@@ -408,7 +342,7 @@ class _Demo:
                             await asyncio.wait_for(first_finished.wait(), delay)
                         except TimeoutError:
                             pass
-                    runs[key] = self._spawn(self._run(url, key, self.tasks[key]))
+                    runs[key] = self._spawn(stack.run(key, self.tasks[key]))
                     running += 1
                     runs[key].add_done_callback(finished)
                     self.outcome.peak_in_flight = max(self.outcome.peak_in_flight, running)
@@ -419,7 +353,7 @@ class _Demo:
         except TimeoutError as exc:
             done = sum(task.done() for task in runs.values())
             raise _Failed(
-                f"only {done} of {len(self.tasks)} rollouts finished within {self.timeout:.0f} s{self._log_tails(stack)}"
+                f"only {done} of {len(self.tasks)} rollouts finished within {self.timeout:.0f} s{stack.log_tails()}"
             ) from exc
         done = sum(task.done() for task in runs.values())
         self.progress(
@@ -436,7 +370,7 @@ class _Demo:
                 gym, outcome.checkpoint_id, outcome.checkpoint_dir, in_flight, deadline_seconds=self.timeout
             )
         except Exception as exc:
-            raise _Failed(f"the checkpoint failed: {exc}{self._log_tails(stack)}") from exc
+            raise _Failed(f"the checkpoint failed: {exc}{stack.log_tails()}") from exc
         outcome.prepare_seconds, outcome.commit_seconds = done.prepare_seconds, done.commit_seconds
         outcome.restarts_reported = sorted(done.prepared.restarts())
         environment: CommitReply | None = None
@@ -504,22 +438,18 @@ class _Demo:
         self.progress(f"fresh processes on the same ports answer after {self.outcome.restart_seconds:.2f} s")
         return fresh
 
-    async def _restore(self, gym: Coordinator, exported: list[str]) -> None:
+    async def _restore(self, stack: RolloutHarness, gym: Coordinator, exported: list[str]) -> None:
         outcome = self.outcome
-        began = time.perf_counter()
         try:
-            if exported:
-                replies = await gym.restore(
-                    outcome.checkpoint_id, time.time() + self.timeout, outcome.checkpoint_dir, exported
-                )
-            else:
-                replies = {}
-            outcome.restore_seconds = time.perf_counter() - began
+            restored = await stack.restore(
+                gym, outcome.checkpoint_id, outcome.checkpoint_dir, exported, deadline_seconds=self.timeout
+            )
+            outcome.restore_seconds = restored.restore_seconds
             await gym.resume(outcome.checkpoint_id, time.time() + self.timeout)
         except Exception as exc:
             raise _Failed(f"the restore failed: {exc}") from exc
         expected = {capture_key(key, 1) for key in exported}
-        for url, reply in replies.items():
+        for url, reply in restored.replies.items():
             if gym.kinds[url].kind == "environment" and set(reply.restored) != expected:
                 missing = sorted(expected - set(reply.restored))
                 raise _Failed(f"the environment restored {len(reply.restored)} of {len(expected)} rollouts: {missing}")
@@ -541,12 +471,11 @@ class _Demo:
                 await gym.retire(to_restart, checkpoint_id=checkpoint_id, deadline_ts=time.time() + self.timeout)
             except Exception as exc:
                 raise _Failed(f"retiring the old attempts of the restarted rollouts failed: {exc}") from exc
-        url = stack.urls["environment"]
         order = [*exported, *to_restart]
 
         async def next_attempt(key: str) -> dict[str, Any]:
             rollout, attempt = split_capture_key(key)
-            return await self._run(url, capture_key(rollout, attempt + 1), self.tasks[key])
+            return await stack.run(capture_key(rollout, attempt + 1), self.tasks[key])
 
         began = time.perf_counter()
         attempts = {key: self._spawn(next_attempt(key)) for key in order}
@@ -588,13 +517,11 @@ class _Demo:
             f"{report.records_checked} records re-hashed in {self.outcome.verify_seconds:.3f} s)"
         )
 
-    def _keep(self, stack: RolloutHarness) -> None:
+    async def _keep(self, stack: RolloutHarness) -> None:
         """Leave the demo stack running (``--keep``): its URLs and process groups for the report."""
         self.outcome.kept_urls = dict(stack.urls)
-        self.kept_pids = {
-            name: server.process.pid for name, server in stack.stack.servers.items() if server.process is not None
-        }
         self.harnesses.remove(stack)  # not closed by _cleanup
+        self.kept_pids = await stack.detach()
 
     # --- helpers
 
@@ -608,139 +535,46 @@ class _Demo:
             token=self.token, storage_options=storage_options or None, allowed_roots=self._allowed_roots()
         )
         try:
-            # the servers' modules are imported here (slow): off the loop, but no process starts there
-            loaded = await asyncio.to_thread(load_stack, spec, workdir=workdir)
-            stack = RolloutHarness(loaded, self.token)
-            self.harnesses.append(stack)
-            loaded.start()
+            stack = await RolloutHarness.open(spec, workdir=workdir, request_timeout=self.timeout)
         except Exception as exc:
             raise _Failed(f"the {label} stack did not start: {exc}", EXIT_SETUP) from exc
+        self.harnesses.append(stack)
         self._note_pids(stack)
         return stack
 
     def _note_pids(self, stack: RolloutHarness) -> None:
-        for server in stack.stack.servers.values():
-            if server.process is not None and server.process.pid not in self.outcome.server_pids:
-                self.outcome.server_pids.append(server.process.pid)
+        for pid in stack.pids.values():
+            if pid not in self.outcome.server_pids:
+                self.outcome.server_pids.append(pid)
 
     async def _wait_up(self, stack: RolloutHarness, label: str) -> Coordinator:
-        """Discover every Gym server (and reach the inference backend), watching for processes that exit."""
-        options = stack.stack.servers["environment"].config.get("checkpoint", {}).get("storage_options")
-        gym = Coordinator(
-            [stack.urls[name] for name in stack.gym_servers],
-            token=stack.token,
-            storage_options=options,
-            probe_timeout=self.timeout,
-        )
-        self.coordinators.append(gym)
+        """Every Gym server discovered and the inference backend reached, or a failure naming why (and the logs)."""
         exit_code = EXIT_SETUP if label != "demo (restarted)" else EXIT_DIFFERS
-
-        async def up() -> Any:
-            found = await gym.discover()
-            if found.ok:
-                async with self._client().get(f"{stack.urls['inference']}/calls") as response:
-                    await response.read()
-            return found
-
-        probe = self._spawn(up())
-        deadline = time.monotonic() + self.timeout
-        while not probe.done():
-            dead = [name for name, server in stack.stack.servers.items() if not server.alive]
-            if dead or time.monotonic() > deadline:
-                probe.cancel()
-                await asyncio.gather(probe, return_exceptions=True)
-                why = f"{', '.join(dead)} exited" if dead else f"no answer within {self.timeout:.0f} s"
-                raise _Failed(f"the {label} stack did not come up: {why}{self._log_tails(stack, dead)}", exit_code)
-            await asyncio.wait({probe}, timeout=0.1)
         try:
-            found = probe.result()
-        except Exception as exc:
-            raise _Failed(f"the {label} stack did not come up: {exc}{self._log_tails(stack)}", exit_code) from exc
-        if not found.ok:
-            raise _Failed(f"the {label} stack did not come up: {found.problems}{self._log_tails(stack)}", exit_code)
+            gym = await stack.wait_ready(timeout=self.timeout)
+        except StackNotReady as exc:
+            raise _Failed(f"the {label} stack did not come up: {exc}{stack.log_tails(exc.exited)}", exit_code) from exc
+        self.coordinators.append(gym)
         return gym
 
-    def _client(self) -> aiohttp.ClientSession:
-        # a pool without a limit: aiohttp's default of 100 connections would hold back /run calls
-        # beyond the 100th in the client, so they would reach the environment only after the checkpoint
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.timeout)
-            )
-        return self._session
-
-    async def _run(self, url: str, key: str, task: dict[str, Any]) -> dict[str, Any]:
-        """One ``/run`` of the environment server: the reply body, with its HTTP status."""
-        async with self._client().post(f"{url}/run", json={"episode_id": key, "task": task}) as response:
-            body = await response.json(content_type=None)
-            if not isinstance(body, dict):
-                body = {"body": body}
-            body.setdefault("status", response.status)
-            return body
-
     async def _model_calls(self, stack: RolloutHarness) -> list[dict[str, Any]]:
+        """The inference backend's call log; empty if it cannot be read (it only feeds a count)."""
         try:
-            async with self._client().get(f"{stack.urls['inference']}/calls") as response:
-                calls = await response.json()
+            calls = await stack.model_calls()
         except (aiohttp.ClientError, TimeoutError):
             return []
         return calls if isinstance(calls, list) else []
-
-    def _count_redone_model_calls(
-        self, before: list[dict[str, Any]], after: list[dict[str, Any]], exported: list[str]
-    ) -> None:
-        """Model calls of exported rollouts completed before the crash and made again after the restore.
-
-        A call id is ``"<capture key>:<tool results so far>"``; the replacement attempt's
-        call for the same turn has the same rollout and count.
-        """
-        wanted = set(exported)
-
-        def turn(call: dict[str, Any]) -> tuple[str, str] | None:
-            key, _, count = str(call.get("call_id", "")).rpartition(":")
-            if not key:
-                return None
-            rollout, _ = split_capture_key(key)
-            return (rollout, count) if rollout in wanted else None
-
-        earlier = {turn(call) for call in before} - {None}
-        self.outcome.model_calls_before_crash = sum(1 for call in before if turn(call) is not None)
-        self.outcome.model_calls_redone = sum(1 for call in after[len(before) :] if turn(call) in earlier)
 
     async def _stages(self, exported: list[str]) -> dict[str, int]:
         """Where each exported rollout stood, from its environment and agent records (best effort)."""
         if not exported:
             return {}
-
-        def read() -> dict[str, int]:
-            store = open_store(self.outcome.checkpoint_dir, **self.storage_options)
-            try:
-                index = store.read_index("")
-                records: dict[str, dict[str, dict[str, Any]]] = {}
-                for entry in index.participants:
-                    if entry.kind in ("environment", "agent"):
-                        rows = store.read_participant("", kind=entry.kind, instance=entry.instance, scope=exported)
-                        records[entry.kind] = {row["episode_id"]: row for row in rows}
-            finally:
-                store.close()
-            environment, agent = records.get("environment", {}), records.get("agent", {})
-            return count_stages(stage_label(environment.get(key), agent.get(key)) for key in exported)
-
         try:
-            return await asyncio.to_thread(read)
+            return await asyncio.to_thread(
+                stages_at_checkpoint, self.outcome.checkpoint_dir, self.storage_options, exported
+            )
         except Exception:  # only a breakdown for the progress line: never fail the demo on it
             return {}
-
-    def _log_tails(self, stack: RolloutHarness, names: list[str] | None = None, lines: int = 12) -> str:
-        tails = []
-        for name in names or list(stack.stack.servers):
-            try:
-                text = stack.stack.servers[name].log_path.read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            if text and (names or any("Error" in line or "Traceback" in line for line in text)):
-                tails.append(f"\n--- {name} log (last {lines} lines):\n" + "\n".join(text[-lines:]))
-        return "".join(tails)
 
     async def _close_stack(self, stack: RolloutHarness) -> None:
         if stack in self.harnesses:
@@ -765,8 +599,6 @@ class _Demo:
                 await self._close_stack(stack)
             except Exception:  # keep closing the others
                 pass
-        if self._session is not None:
-            await self._session.close()
         if self.workdir is not None and self.outcome.exit_code == EXIT_OK and not self.keep:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.outcome.logs_dir = ""
@@ -793,178 +625,3 @@ def _n(count: int, noun: str) -> str:
 def _reply_of(replies: list[Any], order: list[str], key: str) -> str:
     reply = replies[order.index(key)]
     return repr(reply)[:300]
-
-
-def _print_kept(outcome: DemoOutcome, pids: dict[str, int], token: str, console: Console) -> None:
-    console.print(f"the demo stack keeps running (--keep); control token {token}:", highlight=False, markup=False)
-    for name, url in outcome.kept_urls.items():
-        console.print(f"  {name:<12} {url}  (process group {pids.get(name, '?')})", highlight=False, markup=False)
-    if outcome.embedded_endpoint:
-        console.print(
-            "  note: the embedded S3 endpoint stopped with the demo; checkpoints of this stack into it will fail",
-            highlight=False,
-        )
-    groups = " ".join(f"-{pid}" for pid in pids.values())
-    console.print(f"stop it: kill -TERM -- {groups}", highlight=False, markup=False)
-
-
-# --- the store-only demo (``gymckpt demo --store-only``): the store alone, no servers
-
-_WORDS = [
-    "the",
-    "agent",
-    "calls",
-    "the",
-    "weather",
-    "tool",
-    "for",
-    "Paris",
-    "and",
-    "the",
-    "model",
-    "answers",
-    "with",
-    "a",
-    "short",
-    "summary",
-    "of",
-    "the",
-    "result",
-]
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
-
-
-def _chat(rng: random.Random, turns: int) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": _text(rng, 40)}]
-    for turn in range(turns):
-        messages.append(
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [{"id": f"call_{turn}", "name": "get_weather", "arguments": '{"city": "Paris"}'}],
-            }
-        )
-        messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": _text(rng, 60)})
-    return messages
-
-
-def _records(kind: str, episodes: int, seed: int) -> Iterator[dict[str, Any]]:
-    rng = random.Random(f"{seed}-{kind}")
-    for index in range(episodes):
-        key = f"{index // 4}-{index % 4}"
-        step = rng.randint(0, 6)
-        if kind == "environment":
-            yield {
-                "episode_id": key,
-                "task_digest": hashlib.sha256(key.encode()).hexdigest(),
-                "boundary": None if step == 0 else {"stage": "invoke_agent", "step": step},
-            }
-        elif kind == "model":
-            yield {
-                "episode_id": key,
-                "cut": {
-                    "tokens": [rng.randrange(50_000) for _ in range(rng.randint(16, 256))],
-                    "logprob": rng.random(),
-                },
-            }
-        elif kind == "agent":
-            yield {"episode_id": key, "session": {"turn": step, "messages": _chat(rng, step)}}
-        else:
-            yield {
-                "episode_id": key,
-                "state": {"counter": rng.randint(0, 9), "score": float("nan") if step == 6 else step},
-            }
-
-
-def run_s3_store_demo(*, episodes: int, seed: int, console: Console) -> int:
-    """``gymckpt demo --store-only --store s3``: the store demo against an S3 endpoint served by moto in this process.
-
-    Starts moto's server on 127.0.0.1 and a free port, creates a bucket, runs the demo
-    against ``s3://gymckpt-demo/checkpoints`` (multipart upload, server-side copy,
-    ``If-None-Match: *`` manifests), verifies it, and stops the server: no account needed.
-    """
-    from gymckpt.store.moto_endpoint import MotoEndpoint
-
-    with MotoEndpoint() as endpoint:
-        endpoint.create_bucket(DEMO_BUCKET)
-        console.print(
-            f"embedded S3 endpoint (moto) at {endpoint.url}, bucket {DEMO_BUCKET}", highlight=False, markup=False
-        )
-        return run_store_demo(
-            f"s3://{DEMO_BUCKET}/checkpoints",
-            episodes=episodes,
-            seed=seed,
-            console=console,
-            storage_options=endpoint.storage_options(),
-            embedded_endpoint=True,
-        )
-
-
-def run_store_demo(
-    store_url: str,
-    *,
-    episodes: int,
-    seed: int,
-    console: Console,
-    storage_options: dict[str, Any] | None = None,
-    embedded_endpoint: bool = False,
-) -> int:
-    """Run the store demo (``storage_options`` for object storage); return the process exit code."""
-    checkpoint_dir = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    options = dict(storage_options or {})
-    store = open_store(store_url, **options)
-    rows = []
-    manifests = []
-    started = time.perf_counter()
-    for kind in ("environment", "model", "agent", "resources"):
-        began = time.perf_counter()
-        manifest = store.write_participant(
-            checkpoint_dir,
-            kind=kind,
-            instance=f"{kind}-0",
-            checkpoint_id=checkpoint_dir,
-            records=_records(kind, episodes, seed),
-            extra={"demo_seed": seed},
-        )
-        manifests.append(manifest)
-        rows.append((kind, manifest.record_count, manifest.records_bytes, time.perf_counter() - began))
-    commit_seconds = time.perf_counter() - started
-    store.publish(checkpoint_dir, manifests, extra={"trainer_step": 7})
-
-    began = time.perf_counter()
-    report = verify(f"{store_url.rstrip('/')}/{checkpoint_dir}", **options)
-    verify_seconds = time.perf_counter() - began
-
-    scope = [f"{index}-0" for index in range(min(8, episodes // 4))]
-    began = time.perf_counter()
-    restored = list(store.read_participant(checkpoint_dir, kind="agent", instance="agent-0", scope=scope))
-    restore_seconds = time.perf_counter() - began
-    expected = [record for record in _records("agent", episodes, seed) if record["episode_id"] in set(scope)]
-    faithful = restored == expected
-
-    table = Table(title=Text(f"Checkpoint {checkpoint_dir} in {store_url}"))
-    for column in ("participant", "records", "bytes", "commit s"):
-        table.add_column(column, justify="right" if column != "participant" else "left")
-    for kind, count, size, seconds in rows:
-        table.add_row(f"{kind}/{kind}-0", str(count), f"{size:,}", f"{seconds:.3f}")
-    console.print(table)
-    console.print(
-        f"committed {sum(r[2] for r in rows):,} bytes in {commit_seconds:.3f} s; published gym/checkpoint.json\n"
-        f"verify: {'OK' if report.ok else 'DAMAGED'} ({len(report.errors)} errors, {len(report.warnings)} warnings, "
-        f"{report.records_checked} records re-hashed in {verify_seconds:.3f} s)\n"
-        f"restore of agent scope {scope}: {len(restored)} records in {restore_seconds:.3f} s, "
-        f"{'identical to what was committed' if faithful else 'DIFFERENT from what was committed'}\n"
-        + (
-            "the embedded S3 endpoint stops with the demo; against your own bucket: "
-            "gymckpt verify s3://BUCKET/PREFIX/CHECKPOINT --endpoint-url URL"
-            if embedded_endpoint
-            else f"check it yourself: gymckpt verify {store_url.rstrip('/')}/{checkpoint_dir}"
-        ),
-        highlight=False,
-        markup=False,
-    )
-    store.close()
-    return 0 if report.ok and faithful and len(restored) == len(scope) else 1

@@ -1,0 +1,57 @@
+"""What the full demo reads back after the fact: where the exported rollouts stood, and which model calls were redone."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.demo.report import count_stages, stage_label
+from gymckpt.identity import split_capture_key
+from gymckpt.store import open_store
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["redone_model_calls", "stages_at_checkpoint"]
+
+
+def redone_model_calls(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], exported: Iterable[str]
+) -> tuple[int, int]:
+    """``(completed, redone)``: model calls of exported rollouts completed before the crash, and those made again.
+
+    ``before`` is the inference backend's call log before the restore, ``after`` the whole
+    log after the rollouts continued. A call id is ``"<capture key>:<tool results so far>"``;
+    the replacement attempt's call for the same turn has the same rollout and count.
+    """
+    wanted = set(exported)
+
+    def turn(call: dict[str, Any]) -> tuple[str, str] | None:
+        key, _, count = str(call.get("call_id", "")).rpartition(":")
+        if not key:
+            return None
+        rollout, _ = split_capture_key(key)
+        return (rollout, count) if rollout in wanted else None
+
+    earlier = {turn(call) for call in before} - {None}
+    completed = sum(1 for call in before if turn(call) is not None)
+    redone = sum(1 for call in after[len(before) :] if turn(call) in earlier)
+    return completed, redone
+
+
+def stages_at_checkpoint(checkpoint_dir: str, storage_options: dict[str, Any], exported: list[str]) -> dict[str, int]:
+    """Where each exported rollout stood (label → count), from its environment and agent records.
+
+    Blocking (it reads the store); raises whatever reading raises.
+    """
+    store = open_store(checkpoint_dir, **storage_options)
+    try:
+        index = store.read_index("")
+        records: dict[str, dict[str, dict[str, Any]]] = {}
+        for entry in index.participants:
+            if entry.kind in ("environment", "agent"):
+                rows = store.read_participant("", kind=entry.kind, instance=entry.instance, scope=exported)
+                records[entry.kind] = {row["episode_id"]: row for row in rows}
+    finally:
+        store.close()
+    environment, agent = records.get("environment", {}), records.get("agent", {})
+    return count_stages(stage_label(environment.get(key), agent.get(key)) for key in exported)

@@ -1,0 +1,357 @@
+"""A running reference stack and the controller's side of it: rollouts, checkpoints, crashes.
+
+The demo and the process-level tests drive the stack through this: ``/run`` calls to the
+environment server, coordination (:class:`~gymckpt.control.coordination.Coordinator`) for
+prepare, commit, publish, resume and restore, and SIGKILL of every Gym server's process
+group for a crash. The inference backend is not a Gym server: it survives a crash, and
+its call log tells which model calls a restore made again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gymckpt.control.coordination import Coordinator
+from gymckpt.stack.supervisor import Stack, load_stack
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gymckpt.control.coordination import DiscoverResult, PrepareResult
+    from gymckpt.control.models import CommitReply, RestoreReply
+
+__all__ = [
+    "CheckpointOutcome",
+    "RestoreOutcome",
+    "RolloutHarness",
+    "StackNotReady",
+    "default_stack_spec",
+    "task_for",
+]
+
+TOOLS = [{"type": "function", "name": "increment"}]
+
+
+def default_stack_spec(
+    *,
+    token: str,
+    storage_options: dict[str, Any] | None = None,
+    agent_session_hooks: bool = True,
+    token_delay_seconds: float = 0.01,
+    tool_turns: int = 3,
+    resources: str = "counter",
+    allowed_roots: list[str] | None = None,
+) -> dict[str, Any]:
+    """The reference stack: inference, model, a resources server, the agent, the environment."""
+    checkpoint: dict[str, Any] = {"enabled": True, "control_auth_token": token}
+    if storage_options:
+        checkpoint["storage_options"] = storage_options
+    if allowed_roots:
+        checkpoint["allowed_roots"] = allowed_roots
+    return {
+        "checkpoint": checkpoint,
+        "servers": [
+            {"name": "inference", "kind": "inference", "config": {"token_delay_seconds": token_delay_seconds}},
+            {"name": "model", "kind": "model", "config": {"inference_url": "{inference}", "tool_turns": tool_turns}},
+            {"name": "resources", "kind": resources},
+            {
+                "name": "agent",
+                "kind": "agent",
+                "config": {"model_url": "{model}", "session_hooks": agent_session_hooks},
+            },
+            {
+                "name": "environment",
+                "kind": "environment",
+                "config": {"agent_url": "{agent}", "resources_url": "{resources}"},
+            },
+        ],
+    }
+
+
+def task_for(index: int) -> dict[str, Any]:
+    """The task of rollout ``index``: a prompt and the counter's tool."""
+    return {
+        "task_id": {"taskset": "counter-demo", "task_id": f"task-{index}"},
+        "task_input": {"prompt": f"count for task {index}", "tools": TOOLS},
+    }
+
+
+@dataclass
+class CheckpointOutcome:
+    """What one checkpoint did."""
+
+    checkpoint_id: str
+    directory: str
+    prepared: PrepareResult
+    scope: list[str]
+    commits: dict[str, CommitReply]
+    prepare_seconds: float
+    commit_seconds: float
+    published: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(reply.records_bytes for reply in self.commits.values())
+
+
+@dataclass
+class RestoreOutcome:
+    """What one restore did: each Gym server's reply (none for an empty scope), and how long it took."""
+
+    replies: dict[str, RestoreReply]
+    restore_seconds: float
+
+
+class StackNotReady(RuntimeError):
+    """The stack did not come up: why, and the servers whose process exited (none: it did not answer)."""
+
+    def __init__(self, reason: str, exited: list[str] | None = None) -> None:
+        super().__init__(reason)
+        self.exited = list(exited or [])
+
+
+class RolloutHarness:
+    """A stack of real server processes and the controller that drives them.
+
+    ``request_timeout`` bounds each HTTP request the harness itself makes (``/run``, the
+    inference backend's ``/calls``), in seconds.
+    """
+
+    def __init__(self, stack: Stack, token: str, *, request_timeout: float = 300.0) -> None:
+        self.stack = stack
+        self.token = token
+        self.request_timeout = request_timeout
+        self.gym_servers = [name for name, server in stack.servers.items() if server.kind != "inference"]
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- starting
+
+    @classmethod
+    def load(
+        cls, spec: dict[str, Any], *, workdir: Path | None = None, request_timeout: float = 300.0
+    ) -> RolloutHarness:
+        """Open the stack's sockets (importing its servers' modules, which is slow); no server starts yet."""
+        token = str((spec.get("checkpoint") or {}).get("control_auth_token", ""))
+        return cls(load_stack(spec, workdir=workdir), token, request_timeout=request_timeout)
+
+    @classmethod
+    def start(
+        cls, spec: dict[str, Any], *, workdir: Path | None = None, request_timeout: float = 300.0
+    ) -> RolloutHarness:
+        """Open the stack's sockets and start every server."""
+        harness = cls.load(spec, workdir=workdir, request_timeout=request_timeout)
+        harness.start_servers()
+        return harness
+
+    @classmethod
+    async def open(
+        cls, spec: dict[str, Any], *, workdir: Path | None = None, request_timeout: float = 300.0
+    ) -> RolloutHarness:
+        """:meth:`start` from a running event loop.
+
+        The slow part (loading the servers' modules) runs off the loop; the processes are
+        started in the loop's thread, so an interrupt cannot leave processes nobody kills.
+        """
+        harness = await asyncio.to_thread(cls.load, spec, workdir=workdir, request_timeout=request_timeout)
+        harness.start_servers()
+        return harness
+
+    def start_servers(self) -> None:
+        """Start every server; if one cannot start, kill the ones started and close the sockets."""
+        try:
+            self.stack.start()
+        except BaseException:
+            self.stack.close()
+            raise
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return self.stack.urls
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """Each started server's process id (also its process group's), by name."""
+        return {name: server.process.pid for name, server in self.stack.servers.items() if server.process is not None}
+
+    def exited(self) -> list[str]:
+        """The servers whose process is not running (exited, killed, or not started)."""
+        return [name for name, server in self.stack.servers.items() if not server.alive]
+
+    def coordinator(self, *, probe_timeout: float = 60.0) -> Coordinator:
+        """A coordinator for every Gym server (call ``discover()`` before using it).
+
+        The probe timeout is long: a server just restarted behind its kept socket accepts
+        connections at once but answers only when its process has started.
+        """
+        options = self.stack.servers["environment"].config.get("checkpoint", {}).get("storage_options")
+        return Coordinator(
+            [self.urls[name] for name in self.gym_servers],
+            token=self.token,
+            storage_options=options,
+            probe_timeout=probe_timeout,
+        )
+
+    async def wait_ready(self, *, timeout: float = 60.0) -> Coordinator:
+        """A discovered coordinator of every Gym server, once they all answer and so does the inference backend.
+
+        Watches the processes meanwhile: a server whose process exits, no answer within
+        ``timeout`` seconds, or a discovery that fails raises :class:`StackNotReady` (the
+        coordinator is closed then). ``timeout`` is the coordinator's probe timeout too.
+        """
+        gym = self.coordinator(probe_timeout=timeout)
+        try:
+            await self._until_ready(gym, timeout)
+        except BaseException:
+            await gym.close()
+            raise
+        return gym
+
+    async def _until_ready(self, gym: Coordinator, timeout: float) -> None:
+        async def up() -> DiscoverResult:
+            found = await gym.discover()
+            if found.ok:
+                async with self._client().get(f"{self.urls['inference']}/calls") as response:
+                    await response.read()
+            return found
+
+        probe = asyncio.create_task(up())
+        deadline = time.monotonic() + timeout
+        try:
+            while not probe.done():
+                exited = self.exited()
+                if exited or time.monotonic() > deadline:
+                    why = f"{', '.join(exited)} exited" if exited else f"no answer within {timeout:.0f} s"
+                    raise StackNotReady(why, exited)
+                await asyncio.wait({probe}, timeout=0.1)
+        finally:
+            if not probe.done():
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
+        try:
+            found = probe.result()
+        except Exception as exc:
+            raise StackNotReady(str(exc)) from exc
+        if not found.ok:
+            raise StackNotReady(str(found.problems))
+
+    def log_tails(self, names: list[str] | None = None, lines: int = 12) -> str:
+        """The last ``lines`` of the named servers' logs; none named: of every log showing an error.
+
+        Each tail starts on a new line under a ``--- <name> log`` header (empty: nothing to show),
+        to append to an error message.
+        """
+        tails = []
+        for name in names or list(self.stack.servers):
+            try:
+                text = self.stack.servers[name].log_path.read_text(errors="replace").splitlines()
+            except OSError:
+                continue
+            if text and (names or any("Error" in line or "Traceback" in line for line in text)):
+                tails.append(f"\n--- {name} log (last {lines} lines):\n" + "\n".join(text[-lines:]))
+        return "".join(tails)
+
+    # --- rollouts
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # no connection limit: every rollout's /run is in flight at once, as a trainer's are
+            # (aiohttp's default of 100 would hold /run calls beyond the 100th back in the client)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.request_timeout)
+            )
+        return self._session
+
+    async def run(self, episode_id: str, task: dict[str, Any]) -> dict[str, Any]:
+        """One ``/run`` of the environment server; the reply body (a result or a failure), with its HTTP status.
+
+        A body that is not a JSON object comes back as ``{"body": ..., "status": ...}``.
+        """
+        url = f"{self.urls['environment']}/run"
+        async with self._client().post(url, json={"episode_id": episode_id, "task": task}) as response:
+            body = await response.json(content_type=None)
+            if not isinstance(body, dict):
+                body = {"body": body}
+            body.setdefault("status", response.status)
+            return body
+
+    async def model_calls(self) -> list[dict[str, Any]]:
+        """Every generation the inference backend completed, in order."""
+        async with self._client().get(f"{self.urls['inference']}/calls") as response:
+            return await response.json()  # type: ignore[no-any-return]
+
+    async def reset_model_calls(self) -> None:
+        async with self._client().post(f"{self.urls['inference']}/calls/reset") as response:
+            await response.read()
+
+    # --- checkpoint, crash, restore
+
+    async def checkpoint(
+        self,
+        gym: Coordinator,
+        checkpoint_id: str,
+        directory: str,
+        in_flight: list[str],
+        *,
+        deadline_seconds: float = 120.0,
+        publish: bool = True,
+    ) -> CheckpointOutcome:
+        """Prepare, commit the continued in-flight episodes, publish (no resume)."""
+        began = time.perf_counter()
+        prepared = await gym.prepare(checkpoint_id, time.time() + deadline_seconds)
+        prepare_seconds = time.perf_counter() - began
+        if not prepared.ready:
+            raise RuntimeError(f"prepare of {checkpoint_id} did not get ready: {prepared.blockers()}")
+        scope = prepared.continued(in_flight)
+        began = time.perf_counter()
+        commits = await gym.commit(checkpoint_id, time.time() + deadline_seconds, directory, scope)
+        commit_seconds = time.perf_counter() - began
+        outcome = CheckpointOutcome(checkpoint_id, directory, prepared, scope, commits, prepare_seconds, commit_seconds)
+        if publish:
+            outcome.published = await gym.publish(directory, commits)
+        return outcome
+
+    def crash(self) -> None:
+        """SIGKILL every Gym server's process group (the inference backend survives)."""
+        self.stack.kill(self.gym_servers)
+
+    def restart(self) -> None:
+        """Start fresh processes of every Gym server on the same ports."""
+        self.stack.start(self.gym_servers)
+
+    async def restore(
+        self,
+        gym: Coordinator,
+        checkpoint_id: str,
+        directory: str,
+        scope: list[str],
+        *,
+        deadline_seconds: float = 120.0,
+    ) -> RestoreOutcome:
+        """Restore the episodes of ``scope`` from ``directory`` on every Gym server (no resume).
+
+        An empty scope makes no call. The replacement attempts are installed under the
+        next attempt index (``<rollout>-a1`` for a first attempt).
+        """
+        began = time.perf_counter()
+        replies = await gym.restore(checkpoint_id, time.time() + deadline_seconds, directory, scope) if scope else {}
+        return RestoreOutcome(replies, time.perf_counter() - began)
+
+    # --- ending
+
+    async def detach(self) -> dict[str, int]:
+        """Leave every server running; close this side's HTTP session. Returns :attr:`pids`."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        return self.pids
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await asyncio.to_thread(self.stack.close)

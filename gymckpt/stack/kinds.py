@@ -1,0 +1,61 @@
+"""The reference server kinds: each kind's module, config class and app builder, imported when used."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from fastapi import FastAPI
+
+    from gymckpt.servers.base import ServerConfig
+
+__all__ = ["KINDS", "NOT_GYM", "app_from_env", "build_server", "config_fields"]
+
+#: server kind → (module, config class, app builder); imported when used
+KINDS: dict[str, tuple[str, str, str]] = {
+    "inference": ("gymckpt.servers.inference", "InferenceConfig", "build_inference_app"),
+    "model": ("gymckpt.servers.model", "ModelServerConfig", "build_model_app"),
+    "agent": ("gymckpt.servers.agent", "AgentConfig", "build_agent_app"),
+    "counter": ("gymckpt.servers.counter", "CounterConfig", "build_counter_app"),
+    "weather": ("gymckpt.servers.weather", "WeatherConfig", "build_weather_app"),
+    "environment": ("gymckpt.servers.environment", "EnvironmentConfig", "build_environment_app"),
+}
+#: kinds that are not Gym servers: they get no checkpoint block
+NOT_GYM = frozenset({"inference"})
+
+
+def build_server(kind: str, config: str | Path | dict[str, Any] | None) -> tuple[FastAPI, ServerConfig]:
+    """The app of one server ``kind`` from its config file or dict."""
+    from gymckpt.servers.base import load_server_config
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown server kind {kind!r}; one of {', '.join(KINDS)}")
+    module_name, config_name, builder_name = KINDS[kind]
+    module = importlib.import_module(module_name)
+    loaded = load_server_config(getattr(module, config_name), config)
+    return getattr(module, builder_name)(loaded), loaded
+
+
+def app_from_env() -> FastAPI:
+    """An app factory for ``uvicorn --factory gymckpt.stack:app_from_env``.
+
+    The server kind comes from ``GYMCKPT_SERVER_KIND`` (default ``counter``), its config file
+    from ``GYMCKPT_SERVER_CONFIG`` (optional), and the ``checkpoint:`` block may come from
+    ``GYMCKPT_CHECKPOINT__…`` variables (``GYMCKPT_CHECKPOINT__ENABLED=true``, …).
+    """
+    kind = os.environ.get("GYMCKPT_SERVER_KIND", "counter")
+    app, _ = build_server(kind, os.environ.get("GYMCKPT_SERVER_CONFIG") or None)
+    return app
+
+
+def config_fields(kind: str) -> set[str]:
+    """The field names of ``kind``'s config class (empty if it cannot be imported)."""
+    module_name, config_name, _ = KINDS[kind]
+    try:
+        return set(getattr(importlib.import_module(module_name), config_name).model_fields)
+    except (ImportError, AttributeError):
+        return set()
