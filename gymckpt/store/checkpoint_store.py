@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from gymckpt.errors import UnsupportedStorage
 from gymckpt.store._local import LocalBackend
 from gymckpt.store._memory import MemoryBackend
-from gymckpt.store.participant import commit_participant, load_manifest, restore_participant
+from gymckpt.store.participant import commit_participant, iter_manifest_records, load_manifest, restore_participant
 from gymckpt.store.publication import publish_checkpoint, read_index
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE
 
@@ -26,7 +26,8 @@ __all__ = ["CheckpointStore", "backend_for_url", "open_store"]
 
 def backend_for_url(url: str, **storage_options: Any) -> StorageBackend:
     """Choose the backend for ``url``: a path or ``file://`` → local, ``memory://`` → memory,
-    any other fsspec URL → the fsspec backend with ``storage_options`` passed through."""
+    ``s3://`` or ``s3a://`` → the S3 backend, any other fsspec URL → the fsspec backend, with
+    ``storage_options`` passed through."""
     url = os.fspath(url)
     if url.startswith("memory://") or "://" not in url or url.startswith("file://"):
         if storage_options:
@@ -39,10 +40,13 @@ def backend_for_url(url: str, **storage_options: Any) -> StorageBackend:
         return LocalBackend(url.removeprefix("file://"))
     try:
         from gymckpt.store._fsspec import FsspecBackend
+        from gymckpt.store._s3 import S3Backend
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise UnsupportedStorage(
             f"{url!r} needs the object-storage backend: pip install 'gymckpt[s3]' ({exc})"
         ) from exc
+    if S3Backend.handles(url):
+        return S3Backend(url, **storage_options)
     return FsspecBackend(url, **storage_options)
 
 
@@ -138,6 +142,15 @@ class CheckpointStore:
     def read_manifest(self, checkpoint_dir: str, *, kind: str, instance: str) -> Manifest:
         """One participant's validated manifest."""
         return load_manifest(self.backend, checkpoint_dir, kind=kind, instance=instance)
+
+    def read_records(self, manifest: Manifest, *, scope: Collection[str] | None = None) -> Iterator[dict[str, Any]]:
+        """Stream the records in ``scope`` of a manifest :meth:`read_manifest` returned, verifying the file.
+
+        :meth:`read_participant` is this after :meth:`read_manifest`; typed damage is raised
+        before the iterator ends, as there.
+        """
+        scope_set = None if scope is None else frozenset(scope)
+        return iter_manifest_records(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size)
 
     def publish(
         self, checkpoint_dir: str, manifests: Iterable[Manifest], *, extra: dict[str, Any] | None = None

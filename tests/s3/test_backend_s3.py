@@ -12,7 +12,8 @@ from s3_support import BUCKET, FAST_OPTIONS, all_keys, open_uploads
 
 from gymckpt import errors
 from gymckpt.store import CheckpointStore, WriteStop, open_store, verify
-from gymckpt.store._fsspec import DEFAULT_BLOCK_SIZE, FsspecBackend
+from gymckpt.store._fsspec import FsspecBackend
+from gymckpt.store._s3 import DEFAULT_BLOCK_SIZE
 from gymckpt.store.testing import BackendTests, sample_records
 
 if TYPE_CHECKING:
