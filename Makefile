@@ -1,8 +1,10 @@
-# Every target creates .venv and installs what it needs when missing.
+# Every target creates .venv and installs what it needs when missing: `make demo` only gymckpt and
+# its base dependencies, `make test`, `bench` and `lint` the dev extras too.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-dev
+STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: demo test bench lint clean
 
@@ -11,23 +13,28 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -e .
 	touch $(STAMP)
+
+# the dev extras include the base dependencies: a dev install serves `make demo` too
+$(DEV_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(DEV_STAMP) $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/gymckpt demo
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # local store against its primitives and peers, then S3 (an embedded moto server) against raw s3fs
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_S3_ARGS)
 
-lint: $(STAMP)
-	$(BIN)/ruff check gymckpt tests benchmarks
-	$(BIN)/ruff format --check gymckpt tests benchmarks
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check gymckpt tests benchmarks examples
+	$(BIN)/ruff format --check gymckpt tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) checkpoints .pytest_cache
