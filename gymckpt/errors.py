@@ -6,12 +6,23 @@ inherit the built-in exception that fits, so ``except FileNotFoundError`` keeps 
 Every code belongs to exactly one class, the one that defines it (subclasses inherit it);
 :data:`WIRE_ERRORS` lists them and :func:`error_for_code` maps a wire code back.
 
+Three things are called a code and are kept apart: ``GymckptError.code`` is the wire error
+code (``{"error": {"code", "detail"}}``); ``InvalidCheckpointState.problem`` names a kind of
+damage (and is what ``verify``'s findings call their ``code``); an S3 error code
+(``NoSuchKey``) stays inside the S3 backend (``_s3_error_code``). HTTP statuses are ``status``.
+
 ::
 
     GymckptError
     ├── InvalidPayload                           422 invalid_payload: records that cannot be stored
     │   ├── NotJSONError (TypeError)             a payload value that is not JSON
     │   └── InvalidRecord (ValueError)           a record without a leading episode_id, a duplicate
+    ├── NoCheckpointFound (FileNotFoundError)    404 checkpoint_not_found: nothing under a URL is a checkpoint
+    ├── InvalidRequest (ValueError)              422 invalid_request: a body or parameter the routes refuse
+    ├── ServerCallFailed                         502 server_unreachable: a control call got no typed reply
+    ├── DownstreamError                          502 downstream_error: a server this one calls answered an error
+    │   └── InferenceFailed                      502 inference_failed: the policy model's backend failed
+    ├── ClientDisconnected                       499 client_disconnected: nobody reads the reply any more
     ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, network)
     │   └── UnsupportedStorage                   a backend lacks a capability the store needs
     ├── WriteStopped                             a write was stopped before it published
@@ -70,8 +81,10 @@ __all__ = [
     "CheckpointDirNotAllowed",
     "CheckpointIdMismatch",
     "CheckpointIndexInvalid",
+    "ClientDisconnected",
     "ControlError",
     "DeadlineExceeded",
+    "DownstreamError",
     "DuplicateEpisode",
     "EpisodeIdsMismatch",
     "ExportFailed",
@@ -80,15 +93,18 @@ __all__ = [
     "IndexDigestMismatch",
     "IndexParticipantMissing",
     "IndexParticipantUnlisted",
+    "InferenceFailed",
     "InvalidCheckpointState",
     "InvalidPayload",
     "InvalidPhase",
     "InvalidRecord",
+    "InvalidRequest",
     "InvalidRolloutId",
     "ManifestConflict",
     "ManifestFieldInvalid",
     "ManifestNotJSON",
     "ManifestNotObject",
+    "NoCheckpointFound",
     "NotJSONError",
     "NotRegularFile",
     "ParticipantMismatch",
@@ -104,6 +120,7 @@ __all__ = [
     "RestoredInputMismatch",
     "RolloutAttemptConflict",
     "RolloutIdRequired",
+    "ServerCallFailed",
     "SessionBusy",
     "StaleAttempt",
     "StaleCheckpoint",
@@ -147,6 +164,63 @@ class NotJSONError(InvalidPayload, TypeError):
 
 class InvalidRecord(InvalidPayload, ValueError):
     """A record that cannot be stored: not a dict, no leading episode_id, or a duplicate id."""
+
+
+class NoCheckpointFound(GymckptError, FileNotFoundError):
+    """Nothing under the URL looks like a checkpoint (no ``gym/`` directory)."""
+
+    code = "checkpoint_not_found"
+    status = 404
+
+
+class InvalidRequest(GymckptError, ValueError):
+    """A request body, path or parameter the routes refuse (validation, an unknown route's method)."""
+
+    code = "invalid_request"
+    status = 422
+
+
+class ServerCallFailed(GymckptError):
+    """A control call failed without a typed error (connection refused, timeout, garbage reply)."""
+
+    code = "server_unreachable"
+    status = 502
+
+
+class DownstreamError(GymckptError):
+    """A server this one calls (a downstream: agent, model, resources) answered an error status."""
+
+    code = "downstream_error"
+    status = 502
+
+    def __init__(self, detail: str, *, url: str = "", downstream_status: int = 0, body: bytes = b"") -> None:
+        super().__init__(detail)
+        self.url = url
+        self.downstream_status = downstream_status
+        self.body = body
+
+    @classmethod
+    def answered(cls, url: str, downstream_status: int, body: bytes) -> DownstreamError:
+        """The error for a reply of status ``downstream_status`` from ``url``."""
+        return cls(
+            f"{url} answered {downstream_status}: {body[:300]!r}",
+            url=url,
+            downstream_status=downstream_status,
+            body=body,
+        )
+
+
+class InferenceFailed(DownstreamError):
+    """The policy model's inference backend failed or could not be reached."""
+
+    code = "inference_failed"
+
+
+class ClientDisconnected(GymckptError):
+    """The caller went away before the reply (nobody reads it); nginx's 499."""
+
+    code = "client_disconnected"
+    status = 499
 
 
 class StorageError(GymckptError, OSError):
@@ -406,6 +480,12 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
     for cls in (
         GymckptError,
         InvalidPayload,
+        NoCheckpointFound,
+        InvalidRequest,
+        ServerCallFailed,
+        DownstreamError,
+        InferenceFailed,
+        ClientDisconnected,
         StorageError,
         UnsupportedStorage,
         WriteStopped,

@@ -41,13 +41,6 @@ _RETIRE_GROUPS = (("environment",), ("agent",), ("model", "resources"))
 _REPLY_SLACK = 5.0
 
 
-class ServerCallFailed(errors.GymckptError):
-    """A control call failed without a typed error (connection refused, timeout, garbage reply)."""
-
-    code = "server_unreachable"
-    status = 502
-
-
 @dataclass(frozen=True)
 class ParticipantInfo:
     """One server's participant, as discover found it."""
@@ -176,17 +169,17 @@ class Coordinator:
                 raw = await response.read()
                 status = response.status
         except TimeoutError as exc:
-            raise ServerCallFailed(f"{url}: {op} got no reply within {timeout:.1f} s") from exc
+            raise errors.ServerCallFailed(f"{url}: {op} got no reply within {timeout:.1f} s") from exc
         except aiohttp.ClientError as exc:
-            raise ServerCallFailed(f"{url}: {op} failed: {exc}") from exc
+            raise errors.ServerCallFailed(f"{url}: {op} failed: {exc}") from exc
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise ServerCallFailed(f"{url}: {op} replied {status} with a body that is not JSON") from exc
+            raise errors.ServerCallFailed(f"{url}: {op} replied {status} with a body that is not JSON") from exc
         if status >= 400:
             error = payload.get("error", {}) if isinstance(payload, dict) else {}
             code = str(error.get("code", "unknown"))
-            cls = errors.error_for_code(code) or ServerCallFailed
+            cls = errors.error_for_code(code) or errors.ServerCallFailed
             raised = cls(f"{url}: {op}: {error.get('detail', raw[:200])}")
             raised.server = url  # type: ignore[attr-defined]
             raised.wire_code = code  # type: ignore[attr-defined]
@@ -227,7 +220,7 @@ class Coordinator:
             for _attempt in range(max(self.probe_retries, 1)):
                 try:
                     status = await self._call(url, "status", None, timeout=self.probe_timeout)
-                except ServerCallFailed as exc:
+                except errors.ServerCallFailed as exc:
                     last = str(exc)
                     if "no reply within" in last:
                         break  # it accepted the connection and stayed silent: retrying only waits longer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
@@ -176,8 +176,3 @@ class ErrorBody(BaseModel):
     """Every error reply: ``{"error": {"code", "detail"}}``."""
 
     error: ErrorDetail
-
-
-def error_body(code: str, detail: str) -> dict[str, Any]:
-    """The wire form of an error."""
-    return {"error": {"code": code, "detail": detail}}

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,9 +26,9 @@ from gymckpt.control.models import (
     RetireReply,
     RetireRequest,
     StatusReply,
-    error_body,
 )
-from gymckpt.errors import GymckptError, Unauthorized
+from gymckpt.control.responses import error_response, handle_gymckpt_error
+from gymckpt.errors import GymckptError, InvalidRequest, Unauthorized
 
 if TYPE_CHECKING:
     from starlette.responses import Response
@@ -69,12 +68,7 @@ class ControlAuthMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX + "/"):
             given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             if not secrets.compare_digest(given, self.expected):
-                response = JSONResponse(
-                    error_body("unauthorized", "missing or wrong bearer token"),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
+                await error_response(Unauthorized("missing or wrong bearer token"))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -127,18 +121,12 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
     return router
 
 
-async def _gymckpt_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, GymckptError)
-    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
-    return JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status, headers=headers)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     """Map every gymckpt error to its wire code and status; control-route validation errors too.
 
     Validation errors of the app's own routes keep the handler the app had.
     """
-    app.add_exception_handler(GymckptError, _gymckpt_error)
+    app.add_exception_handler(GymckptError, handle_gymckpt_error)
     previous = app.exception_handlers.get(RequestValidationError, request_validation_exception_handler)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
@@ -148,7 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = "; ".join(
             f"{'.'.join(str(part) for part in error.get('loc', ()))}: {error.get('msg', '')}" for error in exc.errors()
         )
-        return JSONResponse(error_body("invalid_request", detail[:2000]), status_code=422)
+        return error_response(InvalidRequest(detail[:2000]))
 
     app.add_exception_handler(RequestValidationError, validation_error)
     previous_http = app.exception_handlers.get(StarletteHTTPException, http_exception_handler)
@@ -157,8 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if not request.url.path.startswith(CONTROL_PREFIX + "/"):
             return await previous_http(request, exc)  # type: ignore[no-any-return]
         assert isinstance(exc, StarletteHTTPException)
-        code = "unauthorized" if exc.status_code == 401 else "invalid_request"
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+        refusal = Unauthorized if exc.status_code == 401 else InvalidRequest
+        return error_response(refusal(str(exc.detail)), status=exc.status_code)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
 

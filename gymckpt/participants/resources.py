@@ -50,10 +50,8 @@ import uuid
 from itertools import chain
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
-from starlette.responses import JSONResponse
-
-from gymckpt.control.models import error_body
 from gymckpt.control.participant import Participant
+from gymckpt.control.responses import error_response
 from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, StaleAttempt
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.participants.rollout import SESSION_HEADER, current_episode, is_unfenced
@@ -503,5 +501,5 @@ class ResourcesMiddleware:
 
 
 async def _error(exc: GymckptError, scope: Any, receive: Any, send: Any) -> None:
-    response = JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status)
+    response = error_response(exc)
     await response(scope, receive, send)

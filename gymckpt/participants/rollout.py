@@ -11,9 +11,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
-
-from gymckpt.control.models import error_body
+from gymckpt.control.responses import error_response
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.errors import InvalidRolloutId
 from gymckpt.identity import ROLLOUT_PREFIX, EpisodeId, split_rollout_path
@@ -79,7 +77,7 @@ class RolloutPrefixMiddleware:
         try:
             episode, rest = split_rollout_path(scope["path"])
         except InvalidRolloutId as exc:
-            response = JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status)
+            response = error_response(exc)
             await response(scope, receive, send)
             return
         scope = dict(scope)

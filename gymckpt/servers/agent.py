@@ -36,14 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from gymckpt.control.models import error_body
+from gymckpt.control.responses import error_response
 from gymckpt.errors import (
     AgentError,
     AgentRequestError,
-    GymckptError,
+    DownstreamError,
     InvalidCheckpointState,
     InvalidRolloutId,
     RestoredInputMismatch,
@@ -58,12 +57,13 @@ from gymckpt.participants.agent import (
 )
 from gymckpt.participants.rollout import current_episode, episode_context
 from gymckpt.participants.steps import StepMode
-from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, build_app
+from gymckpt.servers.base import Downstream, ServerConfig, build_app
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
     from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
 __all__ = [
     "AgentConfig",
@@ -553,17 +553,10 @@ def build_agent_app(config: AgentConfig) -> FastAPI:
     app.state.plane = plane
     app.state.downstream = downstream
 
-    async def gymckpt_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, GymckptError)
-        return JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status)
+    async def downstream_unreachable(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(DownstreamError(f"a downstream call failed: {exc}"))
 
-    async def downstream_error(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body("downstream_error", str(exc)), status_code=502)
-
-    if GymckptError not in app.exception_handlers:
-        app.add_exception_handler(GymckptError, gymckpt_error)
-    app.add_exception_handler(DownstreamError, downstream_error)
-    app.add_exception_handler(aiohttp.ClientError, downstream_error)
+    app.add_exception_handler(aiohttp.ClientError, downstream_unreachable)
 
     def episode_key() -> str | None:
         episode = current_episode()

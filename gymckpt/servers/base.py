@@ -10,7 +10,9 @@ import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from gymckpt.control.responses import handle_gymckpt_error
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, read_yaml_file
+from gymckpt.errors import DownstreamError, GymckptError
 from gymckpt.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
@@ -65,16 +67,6 @@ def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None 
     return cls.model_validate(data)
 
 
-class DownstreamError(Exception):
-    """A downstream call answered with an error status."""
-
-    def __init__(self, url: str, status: int, body: bytes) -> None:
-        super().__init__(f"{url} answered {status}: {body[:300]!r}")
-        self.url = url
-        self.status = status
-        self.body = body
-
-
 class Downstream:
     """Calls to other servers for an episode, on a data pool of their own.
 
@@ -115,7 +107,7 @@ class Downstream:
             raw = await response.read()
             headers = {name.lower(): value for name, value in response.headers.items()}
             if response.status >= 400:
-                raise DownstreamError(url, response.status, raw)
+                raise DownstreamError.answered(url, response.status, raw)
         return orjson.loads(raw) if raw else {}, headers
 
     async def close(self) -> None:
@@ -158,6 +150,7 @@ def build_app(
 
     app = FastAPI(title=title, lifespan=lifespan)
     add_health_route(app)
+    app.add_exception_handler(GymckptError, handle_gymckpt_error)  # every reference server: one error body
     plane = install_checkpointing(app, participant, config.checkpoint) if participant is not None else None
     if not config.checkpoint.enabled:
         app.add_middleware(SessionHeaderMiddleware)

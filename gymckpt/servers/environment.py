@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
 from fastapi.responses import JSONResponse
 
-from gymckpt.errors import GymckptError
+from gymckpt.control.responses import error_response
+from gymckpt.errors import DownstreamError, GymckptError
 from gymckpt.identity import EpisodeId
 from gymckpt.participants.environment import EnvironmentParticipant
 from gymckpt.participants.rollout import episode_context
 from gymckpt.participants.steps import StepMode
-from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, build_app
+from gymckpt.servers.base import Downstream, ServerConfig, build_app
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -115,7 +116,7 @@ def build_environment_app(config: EnvironmentConfig) -> FastAPI:
         try:
             episode_id = EpisodeId.from_capture_key(key)
         except GymckptError as exc:
-            return JSONResponse({"error": {"code": exc.code, "detail": str(exc)}}, status_code=exc.status)
+            return error_response(exc)
         episode = participant.begin_run(episode_id.capture_key, task) if participant is not None else None
         work = asyncio.create_task(run_stages(config, downstream, episode_id, task, episode))
         if participant is not None and episode is not None:

@@ -27,6 +27,8 @@ from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotation
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from gymckpt.control.responses import error_response
+from gymckpt.errors import ClientDisconnected
 from gymckpt.participants.signal import ChangeSignal
 from gymckpt.servers.base import ServerConfig, build_app
 
@@ -147,7 +149,7 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
         tokens = await backend.generate(body, request.is_disconnected)
         if tokens is None:  # nobody reads this reply
-            return JSONResponse({"error": {"code": "client_disconnected", "detail": body.call_id}}, status_code=499)
+            return error_response(ClientDisconnected(body.call_id))
         return JSONResponse({"call_id": body.call_id, "tokens": tokens, "text": token_text(tokens)})
 
     @app.get("/calls")

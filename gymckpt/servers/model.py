@@ -33,11 +33,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from gymckpt.control.models import error_body
-from gymckpt.errors import StaleAttempt
+from gymckpt.control.responses import error_response
+from gymckpt.errors import DownstreamError, InferenceFailed, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
-from gymckpt.servers.base import Downstream, DownstreamError, ServerConfig, build_app
+from gymckpt.servers.base import Downstream, ServerConfig, build_app
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -194,7 +194,7 @@ class _EventStream(Response):
                 try:
                     await participant.start_stream(call)
                 except StaleAttempt as exc:
-                    refusal = JSONResponse(error_body(exc.code, str(exc)), status_code=exc.status)
+                    refusal = error_response(exc)
                     await refusal(scope, receive, send)
                     return
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -249,7 +249,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 else:
                     tokens = await generate(request, episode)
             except (DownstreamError, aiohttp.ClientError) as exc:
-                return JSONResponse(error_body("inference_failed", str(exc)), status_code=502)
+                return error_response(InferenceFailed(f"the inference backend failed: {exc}"))
             reply = policy_reply(request, tokens, tool_turns=config.tool_turns)
             if request.stream:
                 handed_over = True

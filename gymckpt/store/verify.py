@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import (
     CheckpointIndexInvalid,
-    GymckptError,
     InvalidCheckpointState,
+    NoCheckpointFound,
     NotRegularFile,
     RecordsMissing,
     RecordsSizeMismatch,
@@ -39,13 +39,6 @@ __all__ = ["Finding", "NoCheckpointFound", "Severity", "VerifyReport", "scan_che
 class Severity(StrEnum):
     ERROR = "error"
     WARNING = "warning"
-
-
-class NoCheckpointFound(GymckptError, FileNotFoundError):
-    """Nothing under the URL looks like a checkpoint (no ``gym/`` directory)."""
-
-    code = "checkpoint_not_found"
-    status = 404
 
 
 @dataclass(frozen=True)

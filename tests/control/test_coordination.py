@@ -31,10 +31,10 @@ from gymckpt.control.coordination import (
     KIND_ORDER,
     Coordinator,
     PrepareResult,
-    ServerCallFailed,
     runs_to_await,
 )
 from gymckpt.control.models import PrepareReply, PrepareReport
+from gymckpt.errors import ServerCallFailed
 from gymckpt.store import open_store, verify
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,8 +9,9 @@ import pytest
 from aiohttp import web
 
 from gymckpt import errors
-from gymckpt.control.coordination import Coordinator, ServerCallFailed
+from gymckpt.control.coordination import Coordinator
 from gymckpt.control.routes import CONTROL_PREFIX
+from gymckpt.errors import ServerCallFailed
 
 
 def _classes_defining_a_code() -> list[type[errors.GymckptError]]:
