@@ -1,4 +1,4 @@
-"""Where a request's ``checkpoint_dir`` may point (the ``allowed_roots`` setting, C2).
+"""Where a request's ``checkpoint_dir`` may point (the ``allowed_roots`` setting).
 
 Local paths and ``file://`` URLs are compared as resolved real paths (symlinks followed,
 :func:`os.path.realpath`), roots and directories alike, so a symlink inside an allowed root

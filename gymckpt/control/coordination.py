@@ -1,4 +1,4 @@
-"""The controller's side (K1–K6): drive every server's control plane in the right order.
+"""The controller's side: drive every server's control plane in the right order.
 
 Order: prepare environment → model → agent → resources; resume in reverse; commit
 everywhere at once; restore all or nothing; retire and forget callers before callees
@@ -88,7 +88,7 @@ class PrepareResult:
 
 
 def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], restarts: Iterable[str]) -> list[str]:
-    """The outstanding ``/run`` calls to wait for before building the checkpoint's rollout set (K6).
+    """The outstanding ``/run`` calls to wait for before building the checkpoint's rollout set.
 
     Only those whose episode is neither committed nor a restart: restarts keep running
     through the checkpoint, and committed episodes continue from their records.
@@ -212,7 +212,7 @@ class Coordinator:
     # --- operations
 
     async def discover(self) -> DiscoverResult:
-        """Ask every server for its participant (K1); servers that fail are reported, not waited on."""
+        """Ask every server for its participant; servers that fail are reported, not waited on."""
         result = DiscoverResult()
 
         async def probe(url: str) -> None:
@@ -243,7 +243,7 @@ class Coordinator:
         return result
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
-        """Prepare kind by kind: environment, model, agent, resources (K2)."""
+        """Prepare kind by kind: environment, model, agent, resources."""
         body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts}
         replies: dict[str, PrepareReply] = {}
         for kind in KIND_ORDER:
@@ -271,7 +271,7 @@ class Coordinator:
     async def publish(
         self, checkpoint_dir: str, commits: dict[str, CommitReply], *, extra: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Write ``gym/checkpoint.json`` last, create-only, listing every committed manifest (K5)."""
+        """Write ``gym/checkpoint.json`` last, create-only, listing every committed manifest."""
         missing = sorted(set(self.servers) - set(commits))
         if missing:
             raise errors.InvalidPhase(f"publish needs every server's commit; missing {missing}")

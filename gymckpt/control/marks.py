@@ -1,4 +1,4 @@
-"""Retire marks: the attempt fence, rollouts refused up to an attempt until forgotten (C9).
+"""Retire marks: the attempt fence, rollouts refused up to an attempt until forgotten.
 
 A participant owns its fence (:attr:`gymckpt.control.participant.Participant.fence`); the
 control plane marks and forgets through it, the participant checks requests against it,

@@ -1,4 +1,4 @@
-"""Request and reply bodies of the control routes (C2): unknown fields are refused."""
+"""Request and reply bodies of the control routes: unknown fields are refused."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ __all__ = [
 
 
 class Phase(StrEnum):
-    """A participant's checkpoint phase (C4)."""
+    """A participant's checkpoint phase."""
 
     IDLE = "idle"
     PREPARING = "preparing"

@@ -227,7 +227,7 @@ class ControlPlane:
     # --- routes
 
     def status(self) -> StatusReply:
-        """The participant's phase, lease, marks and readiness (C11)."""
+        """The participant's phase, lease, marks and readiness."""
         return StatusReply(
             kind=self.participant.kind,
             instance=self.participant.instance,
@@ -240,7 +240,7 @@ class ControlPlane:
         )
 
     async def prepare(self, request: ControlRequest) -> PrepareReply:
-        """Close admission and wait until ready or the deadline (C5)."""
+        """Close admission and wait until ready or the deadline."""
         self._loop = asyncio.get_running_loop()
         self._check_not_stale(request.checkpoint_id)
         if self._open is not None and self._open.checkpoint_id != request.checkpoint_id:
@@ -310,7 +310,7 @@ class ControlPlane:
         return RenewReply(phase=self.phase, checkpoint_id=request.checkpoint_id, lease_expires_at=self.lease_expires_at)
 
     async def commit(self, request: CommitRequest) -> CommitReply:
-        """Export once, store through the store, delete unscoped restored state (C6)."""
+        """Export once, store through the store, delete unscoped restored state."""
         self._check_not_stale(request.checkpoint_id)
         if request.checkpoint_id in self._export_failed:
             raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
@@ -404,7 +404,7 @@ class ControlPlane:
         return list(await self.participant.export(scope))
 
     async def resume(self, request: ControlRequest) -> ResumeReply:
-        """Reopen admission, cancel an export, wait for cleanup, stop the writer (C7).
+        """Reopen admission, cancel an export, wait for cleanup, stop the writer.
 
         A repeated resume is a no-op reply; one that runs out of time keeps the phase.
         """
@@ -456,7 +456,7 @@ class ControlPlane:
         self.lease_expires_at = None
 
     async def retire(self, request: RetireRequest) -> RetireReply:
-        """Mark first, then stop, wait for and free the attempts (C9)."""
+        """Mark first, then stop, wait for and free the attempts."""
         if self.phase not in (Phase.IDLE, Phase.RESTORED):
             raise InvalidPhase(f"retire is refused while a checkpoint is {self.phase}: resume first")
         keys = sorted(set(request.episode_ids))
@@ -483,7 +483,7 @@ class ControlPlane:
         return ForgetReply(forgotten_count=forgotten)
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
-        """Read, verify and install the scoped records under their next attempt (C10)."""
+        """Read, verify and install the scoped records under their next attempt."""
         self._loop = asyncio.get_running_loop()
         self._check_not_stale(request.checkpoint_id)
         args = (request.checkpoint_dir, tuple(sorted(set(request.episode_ids))))
@@ -585,7 +585,7 @@ class ControlPlane:
                 self.lease_expires_at = self.clock() + LEASE_RETRY_SECONDS
 
     async def expire_lease(self) -> bool:
-        """Resume by itself if the lease has expired (C8); True when it did."""
+        """Resume by itself if the lease has expired; True when it did."""
         if self.lease_expires_at is None or self.lease_expires_at > self.clock():
             return False
         deadline_ts = self.clock() + LEASE_RETRY_SECONDS

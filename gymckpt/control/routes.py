@@ -1,4 +1,4 @@
-"""The control routes under ``/ng-control/v1/checkpoint/`` (C1–C3) and the one error handler."""
+"""The control routes under ``/ng-control/v1/checkpoint/`` and the one error handler."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ``checkpoint:`` settings block (C12), validated once at startup.
+"""The ``checkpoint:`` settings block, validated once at startup.
 
 Read from a YAML file or a dict; environment variables override it with the prefix
 ``GYMCKPT_`` and ``__`` between levels, e.g. ``GYMCKPT_CHECKPOINT__ENABLED=true`` or

@@ -1,4 +1,4 @@
-"""``gymckpt demo`` (D2): checkpoint in-flight rollouts, kill every server, restore, continue, verify.
+"""``gymckpt demo``: checkpoint in-flight rollouts, kill every server, restore, continue, verify.
 
 - :mod:`gymckpt.demo.full`: the full demo (``run_demo``; ``make demo``). An uninterrupted
   run of the reference stack gives the results to reproduce; a fresh stack runs the same

@@ -10,7 +10,7 @@
    as half of them have finished (``asyncio.wait(FIRST_COMPLETED)`` in a loop, bounded):
    prepare, commit of every rollout still in flight (restarts left out), publish.
 3. ``/run`` calls the environment ended before its export (their replies were on the wire)
-   are awaited (K6); then every Gym server's process group is SIGKILLed (the inference
+   are awaited; then every Gym server's process group is SIGKILLed (the inference
    backend survives), fresh processes start on the same ports, the checkpoint is restored,
    every participant resumes, and each exported rollout's next attempt (``r-a1``) is run
    to its result. A rollout that could not be captured starts over from its input.

@@ -1,4 +1,4 @@
-"""The agent participant (P3): agent sessions and legacy ``/run`` episodes as checkpointable episodes.
+"""The agent participant: agent sessions and legacy ``/run`` episodes as checkpointable episodes.
 
 An agent server runs each piece of work as an *activation* through :meth:`run`: one
 ``/v1/responses`` turn loop of a session, or one legacy ``/run`` (an episode of its own).
@@ -10,10 +10,10 @@ Every activation runs its steps through an :class:`AgentActivation`, on top of
 - A model call is a ``replay`` step (:meth:`AgentActivation.model_call`): it never blocks a
   checkpoint, the boundary before it is exported and it runs again after a crash. So a
   session waiting on a model call counts as parked at its last boundary (the policy model
-  server holds the undelivered response anyway, P4).
+  server holds the undelivered response anyway).
 - A tool call to a resources server is a ``wait`` step (:meth:`AgentActivation.tool_call`):
   the checkpoint waits for it. Tool calls change resources state (a counter increments) and
-  resources servers are prepared after agents (K2), so a tool call in flight completes and
+  resources servers are prepared after agents, so a tool call in flight completes and
   its effect is in the resources checkpoint; replaying it after a restore would apply it
   twice. Waiting keeps the agent's boundary and the resources state the same cut.
 - Boundaries are lazy snapshots: a step's ``boundary`` callback returns a cheap reference
@@ -157,7 +157,7 @@ class PlainActivation:
         await self.step(StepMode.WAIT, _nothing, boundary=lambda _: apply())
 
     async def mark_restart(self) -> None:
-        """Make the episode a restart (E3); nothing to do without checkpointing."""
+        """Make the episode a restart; nothing to do without checkpointing."""
 
 
 class AgentActivation(PlainActivation):

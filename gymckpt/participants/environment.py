@@ -1,4 +1,4 @@
-"""The environment participant (P1): episodes as steps with boundaries, continued after a restore.
+"""The environment participant: episodes as steps with boundaries, continued after a restore.
 
 Record: ``{"episode_id", "task_digest", "boundary"}``. The replacement attempt's ``/run``
 continues from the restored boundary, and its task must hash to the recorded digest. A

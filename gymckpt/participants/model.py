@@ -1,4 +1,4 @@
-"""The policy model participant (P4, without generation cuts).
+"""The policy model participant (without generation cuts).
 
 Every ``/v1/responses`` call is tracked under its capture key through four states:
 

@@ -1,4 +1,4 @@
-"""The resources participant (P2): tool-server sessions keyed by the rollout attempt.
+"""The resources participant: tool-server sessions keyed by the rollout attempt.
 
 A resources server subclasses :class:`CheckpointedResources`, declares in code what it can
 do (``checkpoint_mode``, ``checkpoint_verify``) and, for ``exported``, implements the three

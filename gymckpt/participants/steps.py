@@ -1,4 +1,4 @@
-"""Episode steps: the episode registry of one participant (E1–E3).
+"""Episode steps: the episode registry of one participant.
 
 An episode runs as a sequence of steps and records a boundary after each one. The
 control plane drives admission: :meth:`EpisodeRegistry.close` when a checkpoint closes
@@ -213,7 +213,7 @@ class Episode:
             self._busy = False
 
     async def mark_restart(self) -> None:
-        """Make the episode a restart (E3); waits while admission is closed. Idempotent.
+        """Make the episode a restart; waits while admission is closed. Idempotent.
 
         Do not await this inside a running ``wait`` step: the step blocks the checkpoint
         while this waits for it to end.

@@ -1,4 +1,4 @@
-"""The simple agent (D1, P3): a turn loop of model call → tool call, checkpointed per session.
+"""The simple agent: a turn loop of model call → tool call, checkpointed per session.
 
 Routes (docs/reference-stack.md, "agent"):
 

@@ -1,4 +1,4 @@
-"""The counter resources server (D1): exported session state is required for the right reward.
+"""The counter resources server: exported session state is required for the right reward.
 
 Routes (docs/reference-stack.md, "resources"):
 

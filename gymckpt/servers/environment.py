@@ -1,4 +1,4 @@
-"""A single-turn environment server: seed, invoke the agent, close it, verify, return (P1, D1).
+"""A single-turn environment server: seed, invoke the agent, close it, verify, return.
 
 Each stage is an episode step with a boundary after it, so a checkpoint taken mid-episode
 continues from the last completed stage after a crash: seeding and the agent invocation

@@ -16,7 +16,7 @@ with checkpointing on or off.
 object (``{"type", "response"}``).
 
 With checkpointing on, the server is a :class:`~gymckpt.participants.model.ModelParticipant`
-(P4): calls carry their rollout prefix, closing admission holds undelivered responses and
+: calls carry their rollout prefix, closing admission holds undelivered responses and
 makes new calls wait, and only a streaming response blocks readiness. The inference
 backend is not a Gym server: it is called without a rollout prefix, with call ids
 ``"<capture key>:<tool results so far>"``.

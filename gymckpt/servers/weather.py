@@ -1,4 +1,4 @@
-"""The weather resources server (D1): stateless tools and a verification that may run again.
+"""The weather resources server: stateless tools and a verification that may run again.
 
 Routes (docs/reference-stack.md, "resources"):
 

@@ -1,4 +1,4 @@
-"""Backend for any fsspec filesystem (S6); what is particular to S3 is in :mod:`gymckpt.store._s3`.
+"""Backend for any fsspec filesystem; what is particular to S3 is in :mod:`gymckpt.store._s3`.
 
 A records file is written to a temporary file ``<participant dir>/.gymckpt-tmp-<hex>.part``
 and moved to its digest name on publication; a failed or stopped write deletes it. These

@@ -1,4 +1,4 @@
-"""S3 backend through s3fs (S6): what S3 does differently from the generic fsspec backend.
+"""S3 backend through s3fs: what S3 does differently from the generic fsspec backend.
 
 A records file streams as a multipart upload, in parts of ``block_size`` bytes with at most
 ``upload_concurrency`` parts in flight, to a temporary object

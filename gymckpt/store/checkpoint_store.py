@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -161,20 +160,6 @@ class CheckpointStore:
     def read_index(self, checkpoint_dir: str) -> CheckpointIndex:
         """The published ``gym/checkpoint.json`` of ``checkpoint_dir``."""
         return read_index(self.backend, checkpoint_dir)
-
-    async def write_participant_async(self, checkpoint_dir: str, **kwargs: Any) -> Manifest:
-        """:meth:`write_participant` on a worker thread, off the event loop."""
-        return await asyncio.to_thread(self.write_participant, checkpoint_dir, **kwargs)
-
-    async def read_participant_async(
-        self, checkpoint_dir: str, *, kind: str, instance: str, scope: Collection[str] | None = None
-    ) -> list[dict[str, Any]]:
-        """Read and verify one participant's records in ``scope`` on a worker thread."""
-
-        def read_all() -> list[dict[str, Any]]:
-            return list(self.read_participant(checkpoint_dir, kind=kind, instance=instance, scope=scope))
-
-        return await asyncio.to_thread(read_all)
 
     def close(self) -> None:
         """Release the backend's resources."""

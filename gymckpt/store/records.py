@@ -53,7 +53,7 @@ _END = object()
 
 
 class WriteStop:
-    """The stop flag and lock of one write (S7).
+    """The stop flag and lock of one write.
 
     The writer checks :attr:`stopped` before each record; its last check, the rename of
     the records file and the creation of the manifest run under :meth:`held`. Once
