@@ -100,7 +100,7 @@ def _workloads(quick: bool) -> dict[str, Callable[[], Iterable[dict[str, Any]]]]
 
 _SERVE_MOTO = """
 import sys
-from gymckpt.store.moto_endpoint import MotoEndpoint
+from gymckpt.testing.moto import MotoEndpoint
 endpoint = MotoEndpoint().start()
 print(endpoint.url, flush=True)
 sys.stdin.read()  # until the parent closes it
@@ -132,7 +132,7 @@ class _ChildMoto:
 
 
 def _credentials() -> dict[str, Any]:
-    from gymckpt.store.moto_endpoint import DUMMY_KEY, DUMMY_SECRET
+    from gymckpt.testing.moto import DUMMY_KEY, DUMMY_SECRET
 
     return {"key": DUMMY_KEY, "secret": DUMMY_SECRET, "region": "us-east-1"}
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from gymckpt.store import CheckpointStore
 from gymckpt.store._local import LocalBackend
-from gymckpt.store.testing import sample_records
+from gymckpt.testing.values import sample_records
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

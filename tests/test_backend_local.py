@@ -7,7 +7,7 @@ import os
 import pytest
 
 from gymckpt.store._local import LocalBackend
-from gymckpt.store.testing import BackendTests
+from gymckpt.testing.backend_suite import BackendTests
 
 
 class TestLocalBackend(BackendTests):
@@ -44,7 +44,7 @@ class TestLocalBackend(BackendTests):
 
 def test_the_outside_watch_sees_what_follows_a_symlink(tmp_path) -> None:
     """The attack table's watch can fail: reading through a symlink that leaves the root is seen."""
-    from gymckpt.store.testing import OutsideWatch
+    from gymckpt.testing.recording import OutsideWatch
 
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gymckpt.store._memory import MemoryBackend, clear_memory_stores
-from gymckpt.store.testing import BackendTests
+from gymckpt.testing.backend_suite import BackendTests
 
 
 class TestMemoryBackend(BackendTests):

@@ -32,8 +32,8 @@ from gymckpt.stack import load_stack
 from gymckpt.store import open_store, verify
 from gymckpt.store.codec import decode_line
 from gymckpt.store.manifest import RECORDS_NAME_PATTERN
-from gymckpt.store.testing import assert_identical, sample_records
 from gymckpt.store.verify import NoCheckpointFound
+from gymckpt.testing.values import assert_identical, sample_records
 
 GYMCKPT = Path(sys.executable).parent / "gymckpt"
 #: the width rich uses whenever output is not a terminal (pipes, files, CI logs)

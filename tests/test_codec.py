@@ -40,7 +40,7 @@ from gymckpt.store.codec import (
     episode_id_of_line,
     is_exact_line,
 )
-from gymckpt.store.testing import assert_identical
+from gymckpt.testing.values import assert_identical
 
 # --- helpers
 

@@ -41,7 +41,7 @@ import pytest
 from gymckpt.store import CheckpointStore, verify
 from gymckpt.store._local import TEMP_PREFIX, LocalBackend
 from gymckpt.store.manifest import MANIFEST_NAME
-from gymckpt.store.testing import same_records, sample_records
+from gymckpt.testing.values import same_records, sample_records
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator

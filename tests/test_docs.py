@@ -71,7 +71,7 @@ def _yaml(block: Block) -> None:
 def _serve_s3_checkpoint(ws: Workspace) -> Any:  # a MotoEndpoint: moto is imported only when needed
     """An S3 endpoint holding s3://bucket/run-3/step-700 (the checkpoint the README's s3 lines name)."""
     from gymckpt.store import open_store
-    from gymckpt.store.moto_endpoint import DUMMY_KEY, DUMMY_SECRET, MotoEndpoint
+    from gymckpt.testing.moto import DUMMY_KEY, DUMMY_SECRET, MotoEndpoint
 
     endpoint = MotoEndpoint().start()
     try:

@@ -35,7 +35,7 @@ from gymckpt import errors
 from gymckpt.store import open_store, verify
 from gymckpt.store._local import TEMP_PREFIX
 from gymckpt.store.manifest import MANIFEST_NAME
-from gymckpt.store.testing import same_records, sample_records
+from gymckpt.testing.values import same_records, sample_records
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

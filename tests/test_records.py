@@ -21,7 +21,7 @@ from gymckpt.store._memory import MemoryBackend, clear_memory_stores
 from gymckpt.store.backend import BlobSink
 from gymckpt.store.codec import decode_line, decode_record, encode_record
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, RecordsSummary, read_records, write_records
-from gymckpt.store.testing import assert_identical, sample_records
+from gymckpt.testing.values import assert_identical, sample_records
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -17,7 +17,7 @@ from gymckpt.store._local import LocalBackend
 from gymckpt.store._memory import MemoryBackend, clear_memory_stores
 from gymckpt.store.codec import encode_record
 from gymckpt.store.layout import check_name, is_valid_name, scan_checkpoints
-from gymckpt.store.testing import assert_identical, sample_records
+from gymckpt.testing.values import assert_identical, sample_records
 
 BAD_NAMES = ["env-0\n", "\nenv-0", "env 0", "", "-env", ".env", "a/b", "a\\b", "é", "x" * 129, "env\x00", "env\r"]
 

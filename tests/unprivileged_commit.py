@@ -22,7 +22,7 @@ import tempfile
 import traceback
 
 from gymckpt.store import open_store, verify
-from gymckpt.store.testing import sample_records
+from gymckpt.testing.values import sample_records
 
 
 def _commit(root: str) -> None:

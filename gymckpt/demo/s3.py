@@ -68,7 +68,7 @@ def run_s3_demo(
     Raises ``UnsupportedStorage`` (naming ``gymckpt[demo-s3]``) when moto or s3fs is missing.
     """
     require_s3_packages()
-    from gymckpt.store.moto_endpoint import MotoEndpoint
+    from gymckpt.testing.moto import MotoEndpoint
 
     store_url = f"s3://{DEMO_BUCKET}/checkpoints"
     try:
@@ -109,7 +109,7 @@ def run_s3_store_demo(*, episodes: int, seed: int, console: Console) -> int:
     Raises ``UnsupportedStorage`` (naming ``gymckpt[demo-s3]``) when moto or s3fs is missing.
     """
     require_s3_packages()
-    from gymckpt.store.moto_endpoint import MotoEndpoint
+    from gymckpt.testing.moto import MotoEndpoint
 
     with MotoEndpoint() as endpoint:
         endpoint.create_bucket(DEMO_BUCKET)

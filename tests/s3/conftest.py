@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gymckpt.store._fsspec import FsspecBackend
-from gymckpt.store.moto_endpoint import DUMMY_KEY, DUMMY_SECRET, MotoEndpoint
+from gymckpt.testing.moto import DUMMY_KEY, DUMMY_SECRET, MotoEndpoint
 
 sys.path.insert(0, str(Path(__file__).parent))  # fault_proxy, next to the tests
 

@@ -14,12 +14,13 @@ from gymckpt import errors
 from gymckpt.store import CheckpointStore, WriteStop, open_store, verify
 from gymckpt.store._fsspec import FsspecBackend
 from gymckpt.store._s3 import DEFAULT_BLOCK_SIZE
-from gymckpt.store.testing import BackendTests, sample_records
+from gymckpt.testing.backend_suite import BackendTests
+from gymckpt.testing.values import sample_records
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from gymckpt.store.moto_endpoint import MotoEndpoint
+    from gymckpt.testing.moto import MotoEndpoint
 
 PREFIX = "root"
 

@@ -12,10 +12,10 @@ import pytest
 from s3_support import BUCKET
 
 from gymckpt.store import open_store
-from gymckpt.store.testing import sample_records
+from gymckpt.testing.values import sample_records
 
 if TYPE_CHECKING:
-    from gymckpt.store.moto_endpoint import MotoEndpoint
+    from gymckpt.testing.moto import MotoEndpoint
 
 
 def gymckpt(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

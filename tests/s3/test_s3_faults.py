@@ -24,7 +24,7 @@ from gymckpt.store import open_store, verify
 if TYPE_CHECKING:
     from fault_proxy import FaultProxy
 
-    from gymckpt.store.moto_endpoint import MotoEndpoint
+    from gymckpt.testing.moto import MotoEndpoint
 
 #: 5 MiB parts (S3's minimum) and bounded retries keep every case short
 OPTIONS: dict[str, Any] = {

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 from s3_support import BUCKET, FAST_OPTIONS, all_keys
 
 from gymckpt.store import open_store, verify
-from gymckpt.store.testing import same_records, sample_records
+from gymckpt.testing.values import same_records, sample_records
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from gymckpt.store.moto_endpoint import MotoEndpoint
+    from gymckpt.testing.moto import MotoEndpoint
 
 RECORDS_KEY = re.compile(r"^(?P<directory>.+)/records-(?P<digest>[0-9a-f]{64})\.jsonl$")
 

@@ -127,7 +127,7 @@ class AttackContext:
 
     def add_participant(self, kind: str, instance: str, records: list[dict[str, Any]] | None = None) -> Manifest:
         """Commit another participant through the store and list it in the index."""
-        from gymckpt.store.testing import sample_records
+        from gymckpt.testing.values import sample_records
 
         manifest = CheckpointStore(self.backend).write_participant(
             "ck", kind=kind, instance=instance, checkpoint_id="c", records=records or sample_records(5)
