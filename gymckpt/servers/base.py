@@ -135,8 +135,15 @@ def build_app(
     participant: Participant | None,
     *,
     on_shutdown: list[Callable[[], Any]] | None = None,
+    plane: ControlPlane | None = None,
 ) -> tuple[FastAPI, ControlPlane | None, Downstream]:
-    """A FastAPI app with checkpointing installed as ``config`` says, and its downstream client."""
+    """A FastAPI app with checkpointing installed as ``config`` says, and its downstream client.
+
+    What runs once per server is the control plane (it owns the checkpoint phases and opens
+    the stores): pass one made by :func:`~gymckpt.participants.install.create_control_plane`
+    as ``plane``, or one is made here. The app, its middleware and its downstream data pool
+    are what each worker process has of its own.
+    """
     downstream = Downstream(checkpointing=config.checkpoint.enabled, connector_limit=config.data_connector_limit)
     closers = [downstream.close, *(on_shutdown or [])]
 
@@ -151,7 +158,8 @@ def build_app(
     app = FastAPI(title=title, lifespan=lifespan)
     add_health_route(app)
     app.add_exception_handler(GymckptError, handle_gymckpt_error)  # every reference server: one error body
-    plane = install_checkpointing(app, participant, config.checkpoint) if participant is not None else None
+    if participant is not None:
+        plane = install_checkpointing(app, participant, config.checkpoint, plane=plane)
     if not config.checkpoint.enabled:
         app.add_middleware(SessionHeaderMiddleware)
     if plane is not None:

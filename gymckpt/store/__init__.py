@@ -5,6 +5,7 @@ The center of gymckpt; it imports nothing from the layers above it.
 
 from gymckpt.store.backend import BlobSink, StorageBackend
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url, open_store
+from gymckpt.store.codec import EncodedRecord, encoded
 from gymckpt.store.manifest import Manifest
 from gymckpt.store.publication import CheckpointIndex
 from gymckpt.store.records import WriteStop
@@ -14,6 +15,7 @@ __all__ = [
     "BlobSink",
     "CheckpointIndex",
     "CheckpointStore",
+    "EncodedRecord",
     "Finding",
     "Manifest",
     "NoCheckpointFound",
@@ -22,6 +24,7 @@ __all__ = [
     "VerifyReport",
     "WriteStop",
     "backend_for_url",
+    "encoded",
     "open_store",
     "verify",
 ]

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Iterator
 
     from gymckpt.store.backend import StorageBackend
+    from gymckpt.store.codec import EncodedRecord
     from gymckpt.store.manifest import Manifest
     from gymckpt.store.publication import CheckpointIndex
     from gymckpt.store.records import WriteStop
@@ -82,7 +83,7 @@ class CheckpointStore:
         kind: str,
         instance: str,
         checkpoint_id: str,
-        records: Iterable[dict[str, Any]],
+        records: Iterable[dict[str, Any] | EncodedRecord],
         extra: dict[str, Any] | None = None,
         stop: WriteStop | None = None,
     ) -> Manifest:
@@ -93,7 +94,9 @@ class CheckpointStore:
         checkpoint_dir:
             Checkpoint directory relative to the store's root.
         records:
-            Dicts whose first key is ``"episode_id"`` (a capture key, unique per participant).
+            Dicts whose first key is ``"episode_id"`` (a capture key, unique per participant),
+            or :class:`~gymckpt.store.codec.EncodedRecord` lines encoded once elsewhere (a
+            worker's), written as they are.
         extra:
             Additional manifest fields (JSON).
         stop:

@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_DEPTH",
+    "EncodedRecord",
     "check_json",
     "decode_document",
     "decode_line",
@@ -294,6 +295,36 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
         check_json(record, episode_id=episode_id)  # raises, naming the first bad value
         raise AssertionError("unreachable: check_json accepted what the exact path refused")  # pragma: no cover
     return episode_id, _exact_line(record, depth)
+
+
+class EncodedRecord(NamedTuple):
+    """A record already encoded by :func:`encode_record` (e.g. in another process, a worker).
+
+    The store writes its line as it is: it is neither checked nor encoded again. Build one
+    only from :func:`encode_record`'s result; :func:`encoded` does.
+    """
+
+    episode_id: str
+    line: bytes
+
+
+def encoded(record: dict[str, Any]) -> EncodedRecord:
+    """``record`` encoded once, to be handed to the store (or over a socket) as it is."""
+    return EncodedRecord(*encode_record(record))
+
+
+def check_encoded(record: EncodedRecord) -> tuple[str, bytes]:
+    """``(episode_id, line)`` of a pre-encoded record after a cheap look: one line, its leading id."""
+    episode_id, line = record
+    if type(line) is not bytes or not line.endswith(b"\n") or line.count(b"\n") != 1:
+        raise InvalidRecord(f"the encoded record of {episode_id!r} is not one line ending with a newline")
+    try:
+        leading = episode_id_of_line(line)
+    except RecordUndecodable as exc:
+        raise InvalidRecord(f"the encoded record of {episode_id!r} does not start with its episode_id") from exc
+    if leading != episode_id:
+        raise InvalidRecord(f"the encoded record of {episode_id!r} starts with episode_id {leading!r}")
+    return episode_id, line
 
 
 def is_exact_line(line: bytes | memoryview) -> bool:

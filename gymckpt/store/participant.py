@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Iterator
 
     from gymckpt.store.backend import StorageBackend
+    from gymckpt.store.codec import EncodedRecord
 
 __all__ = [
     "commit_participant",
@@ -43,7 +44,7 @@ def commit_participant(
     kind: str,
     instance: str,
     checkpoint_id: str,
-    records: Iterable[dict[str, Any]],
+    records: Iterable[dict[str, Any] | EncodedRecord],
     extra: dict[str, Any] | None = None,
     stop: WriteStop | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,

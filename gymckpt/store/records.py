@@ -28,7 +28,7 @@ from gymckpt.errors import (
     RecordUndecodable,
     WriteStopped,
 )
-from gymckpt.store.codec import decode_record, encode_record, episode_id_of_line
+from gymckpt.store.codec import EncodedRecord, check_encoded, decode_record, encode_record, episode_id_of_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Iterator
@@ -120,7 +120,7 @@ class _ChunkWriter(threading.Thread):
 
 def write_records(
     sink: BlobSink,
-    records: Iterable[dict[str, Any]],
+    records: Iterable[dict[str, Any] | EncodedRecord],
     *,
     stop: WriteStop | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -142,7 +142,7 @@ def write_records(
         for record in records:
             if stop is not None and stop.stopped:
                 stop.check()
-            episode_id, line = encode_record(record)
+            episode_id, line = check_encoded(record) if type(record) is EncodedRecord else encode_record(record)
             if episode_id in seen:
                 raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
             seen.add(episode_id)
