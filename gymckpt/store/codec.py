@@ -347,35 +347,19 @@ def decode_line(line: bytes | memoryview) -> dict[str, Any]:
     return record
 
 
-_EPISODE_ID_KEY = re.compile(rb'"episode_id"')
-
-
-def _repeats_a_key(line: bytes | memoryview) -> bool:
-    """True when an object of the line holds a key twice (a JSON decoder keeps only the last)."""
-    repeated = False
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        nonlocal repeated
-        keys = [key for key, _ in items]
-        repeated = repeated or len(set(keys)) != len(keys)
-        return dict(items)
-
-    with _exact_context():
-        json.loads(bytes(line), object_pairs_hook=pairs)
-    return repeated
-
-
 def decode_record(line: bytes | memoryview, episode_id: str) -> dict[str, Any]:
     """Decode a records line whose leading ``episode_id`` token read ``episode_id``.
 
-    A line naming another episode id later in its object (which the decoder would keep) or
-    the same one twice is damage, so a record is always what its line starts with.
+    A line whose object names another episode id later (a decoder keeps the last one) is
+    damage, so a record is always the episode its line starts with. The same id twice
+    decodes to the same record and is not looked for: finding it would mean scanning every
+    byte of every line again (about a fifth of a restore's decoding).
     """
     record = decode_line(line)
-    if record["episode_id"] != episode_id or (
-        _EPISODE_ID_KEY.search(line, len(FAST_PREFIX)) is not None and _repeats_a_key(line)
-    ):
-        raise RecordUndecodable(f"line of episode {episode_id!r} holds the key 'episode_id' more than once")
+    if record["episode_id"] != episode_id:
+        raise RecordUndecodable(
+            f"line of episode {episode_id!r} names episode {record['episode_id']!r} too (the key 'episode_id' twice)"
+        )
     return record
 
 
