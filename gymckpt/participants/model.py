@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gymckpt.control.participant import Participant
 from gymckpt.errors import InvalidCheckpointState, RolloutIdRequired, StaleAttempt
 from gymckpt.identity import AttemptsUpTo, EpisodeId
-from gymckpt.participants.signal import ChangeSignal
+from gymckpt.participants.signal import AdmissionGate, ChangeSignal
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -80,9 +80,7 @@ class ModelParticipant(Participant):
 
     def __init__(self, instance: str = "model-0") -> None:
         self.instance = instance
-        self._admission_open = True
-        self._reopened = asyncio.Event()
-        self._reopened.set()
+        self._gate = AdmissionGate()
         #: rollout id → its live calls (every attempt); calls without a rollout under None
         self._calls: dict[str | None, dict[ModelCall, None]] = {}
         self._counts: dict[CallState, int] = dict.fromkeys(CallState, 0)
@@ -164,9 +162,9 @@ class ModelParticipant(Participant):
         self.check_attempt(episode.capture_key)
 
     async def _wait_open(self, call: ModelCall, state: CallState) -> None:
-        while not self._admission_open:
+        while self._gate.closed:
             self._set_state(call, state)
-            await self._reopened.wait()
+            await self._gate.reopened()
 
     async def _guarded(self, call: ModelCall, work: Callable[[], Awaitable[T]]) -> T:
         """Run ``work`` as the call's child task; a retire's cancellation becomes StaleAttempt."""
@@ -199,7 +197,7 @@ class ModelParticipant(Participant):
                     self._streaming[key] = left
                 else:
                     del self._streaming[key]
-            if not self._admission_open:
+            if self._gate.closed:
                 for listener in self._listeners:
                     listener()
         self._changed()
@@ -209,7 +207,7 @@ class ModelParticipant(Participant):
     @property
     def admission_open(self) -> bool:
         """False between a checkpoint's close of admission and its resume."""
-        return self._admission_open
+        return not self._gate.closed
 
     def calls_of(self, key: str) -> list[ModelCall]:
         """The live calls of the attempt ``key``."""
@@ -226,13 +224,11 @@ class ModelParticipant(Participant):
     # --- the Participant interface
 
     async def close_admission(self, checkpoint_id: str) -> None:
-        self._admission_open = False
-        self._reopened.clear()
+        self._gate.close()
         self._changed()
 
     async def open_admission(self) -> None:
-        self._admission_open = True
-        self._reopened.set()
+        self._gate.open()
         self._changed()
 
     def ready(self) -> bool:

@@ -55,6 +55,7 @@ from gymckpt.control.responses import error_response
 from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, StaleAttempt
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.participants.rollout import SESSION_HEADER, current_episode, is_unfenced
+from gymckpt.participants.signal import AdmissionGate
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -181,8 +182,7 @@ class ResourcesParticipant(Participant):
         self.mode: CheckpointMode = mode
         self.verify: CheckpointVerify = verify
         server.checkpoint_participant = self
-        self._closed = False
-        self._opened: asyncio.Event | None = None
+        self._gate = AdmissionGate()
         # live sessions that belong to checkpoints (insertion ordered), and those seeded while closed
         self._sessions: dict[str, None] = {}
         self._late: dict[str, None] = {}
@@ -207,7 +207,7 @@ class ResourcesParticipant(Participant):
     @property
     def closed(self) -> bool:
         """True while a checkpoint (or a restore) holds admission closed."""
-        return self._closed
+        return self._gate.closed
 
     # ------------------------------------------------------------------ sessions
 
@@ -224,13 +224,13 @@ class ResourcesParticipant(Participant):
         self._ending.discard(key)
         if key in self._sessions:
             return
-        if self._closed:
+        if self._gate.closed:
             self._late[key] = None
         else:
             self._sessions[key] = None
 
     def _ended(self, key: str, *, replay: bool) -> None:
-        if replay and self._closed and key in self._sessions:
+        if replay and self._gate.closed and key in self._sessions:
             self._ending.add(key)  # part of this checkpoint until resume: the verify may replay
             return
         self._forget(key)
@@ -256,13 +256,11 @@ class ResourcesParticipant(Participant):
 
     async def _admit(self) -> None:
         """Wait while admission is closed; a waiting request is not in flight."""
-        if not self._closed:
+        if not self._gate.closed:
             return
         self._waiting += 1
         try:
-            while self._closed:
-                assert self._opened is not None
-                await self._opened.wait()
+            await self._gate.until_open()
         finally:
             self._waiting -= 1
 
@@ -284,22 +282,16 @@ class ResourcesParticipant(Participant):
 
     async def close_admission(self, checkpoint_id: str) -> None:
         """New non-replay-safe requests wait; requests in flight go on."""
-        if not self._closed:
-            self._closed = True
-            # a fresh event: a request woken by the last open that has not run yet waits again
-            self._opened = asyncio.Event()
+        self._gate.close()
 
     async def open_admission(self) -> None:
         """Wake waiting requests; late sessions become ordinary, replay-ended ones leave."""
-        if not self._closed:
+        if not self._gate.open():
             return
-        self._closed = False
         for key in sorted(self._ending):
             self._forget(key)
         self._sessions.update(self._late)
         self._late.clear()
-        if self._opened is not None:
-            self._opened.set()
 
     def ready(self) -> bool:
         """No request in flight blocks (restart_only servers never block). O(1)."""

@@ -22,12 +22,13 @@ notified only while admission is closed, whenever the blocker count changes.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
 from enum import StrEnum
 from typing import TYPE_CHECKING, TypeVar
+
+from gymckpt.participants.signal import AdmissionGate
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Collection, Iterator
@@ -221,7 +222,7 @@ class Episode:
         registry = self._registry
         if self._ended or self._restart:
             return
-        if registry._closed:
+        if registry.closed:
             self._park_enter()
             try:
                 await registry._wait_open()
@@ -247,7 +248,7 @@ class Episode:
 
     async def _park(self) -> None:
         registry = self._registry
-        if not registry._closed or self._ended:
+        if not registry.closed or self._ended:
             return
         registry._apply(self, state=EpisodeState.PARKED)
         self._park_enter()
@@ -278,8 +279,7 @@ class EpisodeRegistry:
         self._restarts: dict[str, Episode] = {}
         self._state_counts: dict[EpisodeState, int] = dict.fromkeys(EpisodeState, 0)
         self._retiring = 0
-        self._closed = False
-        self._opened: asyncio.Event | None = None
+        self._gate = AdmissionGate()
         self._listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------------- admission
@@ -287,28 +287,18 @@ class EpisodeRegistry:
     @property
     def closed(self) -> bool:
         """True while a checkpoint holds admission closed."""
-        return self._closed
+        return self._gate.closed
 
     def close(self) -> None:
         """A checkpoint closes admission: no step starts or returns until :meth:`open`. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        # a fresh event: an episode woken by the last open() that has not run yet waits again
-        self._opened = asyncio.Event()
+        self._gate.close()
 
     def open(self) -> None:
         """Resume: reopen admission and wake parked episodes. Idempotent."""
-        if not self._closed:
-            return
-        self._closed = False
-        if self._opened is not None:
-            self._opened.set()
+        self._gate.open()
 
     async def _wait_open(self) -> None:
-        while self._closed:
-            assert self._opened is not None
-            await self._opened.wait()
+        await self._gate.until_open()
 
     # ----------------------------------------------------------------- readiness
 
@@ -441,7 +431,7 @@ class EpisodeRegistry:
                 del self._blockers[episode.key]
             else:
                 self._blockers[episode.key] = episode
-            if self._closed:
+            if self.closed:
                 self._notify()
 
     def _remove(self, episode: Episode) -> None:
@@ -453,7 +443,7 @@ class EpisodeRegistry:
         self._blockers.pop(episode.key, None)
         del self._episodes[episode.key]
         episode._ended = True
-        if was_blocking and self._closed:
+        if was_blocking and self.closed:
             self._notify()
 
     def _notify(self) -> None:
