@@ -1,18 +1,71 @@
-"""Shared fixtures: stores on every backend for tests that take the backend as a parameter."""
+"""Shared fixtures and hooks.
+
+- ``async def test_…`` functions run under :func:`asyncio.run` (pytest-asyncio is not a
+  dependency): each in a fresh event loop of its own, bounded by :data:`TEST_TIMEOUT`
+  seconds, so a hang fails the test.
+- ``storage``: where a test's checkpoints go, on the backend named by ``request.param``
+  (``local``, ``memory`` or ``s3``; local by default): mark a test
+  :data:`tests.support.each_backend` to run it on each. ``store``: a store there.
+- ``moto_endpoint``: one moto S3 server for the session (started when a test first needs it).
+"""
 
 from __future__ import annotations
 
+import inspect
+from typing import TYPE_CHECKING
+
 import pytest
 
-from gymckpt.store import CheckpointStore, open_store
-from gymckpt.store._memory import clear_memory_stores
+from gymckpt.testing.time import run_bounded
+
+from .support import Storage, storage_on
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
+
+    from gymckpt.store import CheckpointStore
+    from gymckpt.testing.moto import MotoEndpoint
+
+TEST_TIMEOUT = 30.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run coroutine tests with ``asyncio.run``; plain tests are left to pytest."""
+    function = pyfuncitem.obj
+    if not inspect.iscoroutinefunction(function):
+        return None
+    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    run_bounded(function(**arguments), TEST_TIMEOUT)
+    return True
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[MotoEndpoint]:
+    """moto's ThreadedMotoServer for the whole session, on 127.0.0.1, port 0."""
+    from gymckpt.testing.moto import MotoEndpoint
+
+    endpoint = MotoEndpoint("127.0.0.1", 0).start()
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
 
 
 @pytest.fixture
-def store(request: pytest.FixtureRequest, tmp_path) -> CheckpointStore:
-    """A store on the backend named by ``request.param`` (``local`` or ``memory``); local by default."""
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
+    """A fresh :class:`~tests.support.Storage` on the backend ``request.param`` names (local by default)."""
     kind = getattr(request, "param", "local")
-    if kind == "memory":
-        clear_memory_stores()
-        return open_store(f"memory://{tmp_path.name}")
-    return open_store(str(tmp_path / "store"))
+    endpoint = request.getfixturevalue("moto_endpoint") if kind == "s3" else None
+    yield from storage_on(kind, tmp_path, endpoint)
+
+
+@pytest.fixture
+def store(storage: Storage) -> Iterator[CheckpointStore]:
+    """A store at ``store`` in :func:`storage` (a directory under ``tmp_path`` by default)."""
+    opened = storage.open("store")
+    try:
+        yield opened
+    finally:
+        opened.close()

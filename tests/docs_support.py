@@ -28,7 +28,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,7 +39,10 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from gymckpt.testing.net import free_ports
+
+from .support import REPO, signal_group
+
 README = REPO / "README.md"
 EXAMPLES = REPO / "examples"
 #: the section of the README whose shell blocks tests/test_examples.py runs (and asserts)
@@ -100,16 +102,6 @@ def code_blocks(path: Path) -> list[Block]:
             )
         index += 1
     return blocks
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct ports the kernel just handed out (all held at once, then released)."""
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
-    try:
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @dataclass
@@ -274,11 +266,11 @@ class Workspace:
         server = self.servers.pop(command)
         process = server.process
         if process.poll() is None:
-            _signal_group(process.pid, signal.SIGINT)
+            signal_group(process.pid, signal.SIGINT)
             try:
                 process.wait(timeout=STOP_SECONDS)
             except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
+                signal_group(process.pid, signal.SIGKILL)
                 process.wait(timeout=STOP_SECONDS)
         deadline = time.monotonic() + STOP_SECONDS
         while any(_healthy(port) for port in server.ports) and time.monotonic() < deadline:
@@ -295,7 +287,7 @@ class Workspace:
         for command in list(self.servers):
             self.stop_server(command)
         for pid in _processes_mentioning(self.stack_dirs):
-            _signal_group(pid, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)
 
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -307,13 +299,6 @@ def _healthy(port: int) -> bool:
             return reply.status == 200
     except (OSError, urllib.error.URLError):
         return False
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _processes_mentioning(paths: set[str]) -> list[int]:

@@ -10,8 +10,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -34,6 +35,11 @@ from gymckpt.store.codec import decode_line
 from gymckpt.store.manifest import RECORDS_NAME_PATTERN
 from gymckpt.store.verify import NoCheckpointFound
 from gymckpt.testing.values import assert_identical, sample_records
+
+from .support import each_backend
+
+if TYPE_CHECKING:
+    from .support import Storage
 
 GYMCKPT = Path(sys.executable).parent / "gymckpt"
 #: the width rich uses whenever output is not a terminal (pipes, files, CI logs)
@@ -95,7 +101,7 @@ def agent_records() -> list[dict[str, Any]]:
     return sample_records(7, prefix="9-")
 
 
-def commit(root: Path, checkpoint: str, checkpoint_id: str | None = None) -> dict[str, Any]:
+def commit(root: Path | str, checkpoint: str, checkpoint_id: str | None = None) -> dict[str, Any]:
     store = open_store(str(root))
     checkpoint_id = checkpoint_id or checkpoint
     env = store.write_participant(
@@ -126,11 +132,48 @@ def records_file(checkpoint: Path, participant: str = "environment/env-0") -> Pa
     return found
 
 
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
+def flipped(content: bytes) -> bytes:
+    """``content`` with one bit of its middle byte flipped."""
+    data = bytearray(content)
     middle = len(data) // 2
     data[middle] ^= 0x01
-    path.write_bytes(bytes(data))
+    return bytes(data)
+
+
+def flip_byte(path: Path) -> None:
+    path.write_bytes(flipped(path.read_bytes()))
+
+
+@dataclass
+class Published:
+    """Checkpoint ``ck-7`` of two participants, alone at a location of ``storage`` (the ``checkpoint`` fixture)."""
+
+    storage: Storage
+    url: str
+
+    def records_file(self, participant: str = "environment/env-0") -> PurePosixPath:
+        """The participant's records file, relative to :attr:`url`."""
+        (found,) = [
+            PurePosixPath(path)
+            for path in self.storage.files(self.url)
+            if PurePosixPath(path).parent == PurePosixPath("gym", participant) and path.endswith(".jsonl")
+        ]
+        return found
+
+    def flip_byte(self, path: PurePosixPath) -> None:
+        self.storage.write(self.url, str(path), flipped(self.storage.read(self.url, str(path))))
+
+    def truncate(self, path: PurePosixPath) -> None:
+        """Drop the last byte of ``path``."""
+        self.storage.write(self.url, str(path), self.storage.read(self.url, str(path))[:-1])
+
+
+@pytest.fixture
+def checkpoint(storage: Storage) -> Published:
+    """``ck-7`` as :func:`root` holds it, in ``storage`` (local by default; see ``each_backend``)."""
+    url = storage.url("store", "ck-7")
+    commit(url, "", "ck-7")
+    return Published(storage, url)
 
 
 def report_of(result: Result) -> dict[str, Any]:
@@ -140,14 +183,15 @@ def report_of(result: Result) -> dict[str, Any]:
 # --- verify
 
 
-def test_verify_a_good_checkpoint_exits_0(root: Path) -> None:
-    result = run("verify", str(root / "ck-7"))
+@each_backend
+def test_verify_a_good_checkpoint_exits_0(checkpoint: Published) -> None:
+    result = run("verify", checkpoint.url)
     assert result.exit_code == 0, result.output
     text = plain(result.stdout)
     assert "OK" in text and "DAMAGED" not in text
     assert "0 error(s)" in text
 
-    result = run("verify", str(root / "ck-7"), "--json")
+    result = run("verify", checkpoint.url, "--json")
     assert result.exit_code == 0
     report = report_of(result)
     assert report["ok"] is True
@@ -157,10 +201,11 @@ def test_verify_a_good_checkpoint_exits_0(root: Path) -> None:
     assert report["records_checked"] == len(environment_records()) + len(agent_records())
 
 
-def test_verify_a_flipped_byte_exits_1_and_names_the_finding_and_file(root: Path) -> None:
-    damaged = records_file(root / "ck-7")
-    flip_byte(damaged)
-    result = run("verify", str(root / "ck-7"), "--json")
+@each_backend
+def test_verify_a_flipped_byte_exits_1_and_names_the_finding_and_file(checkpoint: Published) -> None:
+    damaged = checkpoint.records_file()
+    checkpoint.flip_byte(damaged)
+    result = run("verify", checkpoint.url, "--json")
     assert result.exit_code == 1, result.output
     report = report_of(result)
     assert report["ok"] is False
@@ -172,12 +217,13 @@ def test_verify_a_flipped_byte_exits_1_and_names_the_finding_and_file(root: Path
     assert finding["path"] == f"gym/environment/env-0/{damaged.name}"
 
 
-def test_verify_human_report_names_the_finding_and_the_file(root: Path) -> None:
+@each_backend
+def test_verify_human_report_names_the_finding_and_the_file(checkpoint: Published) -> None:
     """Piped or logged (not a terminal), the report must still name the finding code and the
     damaged file so that it can be grepped and copied."""
-    damaged = records_file(root / "ck-7")
-    flip_byte(damaged)
-    result = run("verify", str(root / "ck-7"))
+    damaged = checkpoint.records_file()
+    checkpoint.flip_byte(damaged)
+    result = run("verify", checkpoint.url)
     assert result.exit_code == 1
     text = plain(result.stdout)
     assert "DAMAGED" in text
@@ -185,22 +231,23 @@ def test_verify_human_report_names_the_finding_and_the_file(root: Path) -> None:
     assert f"gym/environment/env-0/{damaged.name}" in text, text
 
 
-def test_verify_quick_skips_hashing_but_sees_truncation(root: Path) -> None:
-    damaged = records_file(root / "ck-7")
-    flip_byte(damaged)
-    result = run("verify", str(root / "ck-7"), "--quick", "--json")
+@each_backend
+def test_verify_quick_skips_hashing_but_sees_truncation(checkpoint: Published) -> None:
+    damaged = checkpoint.records_file()
+    checkpoint.flip_byte(damaged)
+    result = run("verify", checkpoint.url, "--quick", "--json")
     assert result.exit_code == 0, result.output
     report = report_of(result)
     assert report["ok"] is True and report["quick"] is True
     assert report["records_checked"] == 0
 
-    damaged.write_bytes(damaged.read_bytes()[:-1])
-    result = run("verify", str(root / "ck-7"), "--quick", "--json")
+    checkpoint.truncate(damaged)
+    result = run("verify", checkpoint.url, "--quick", "--json")
     assert result.exit_code == 1, result.output
     codes = [finding["code"] for finding in report_of(result)["findings"]]
     assert codes == ["records_size_mismatch"]
 
-    result = run("verify", str(root / "ck-7"), "--quick")
+    result = run("verify", checkpoint.url, "--quick")
     assert result.exit_code == 1
     assert "DAMAGED" in plain(result.stdout)
 
@@ -268,8 +315,9 @@ def test_verify_a_root_checks_every_checkpoint(root: Path) -> None:
 # --- inspect
 
 
-def test_inspect_lists_participants_and_counts(root: Path) -> None:
-    result = run("inspect", str(root / "ck-7"))
+@each_backend
+def test_inspect_lists_participants_and_counts(checkpoint: Published) -> None:
+    result = run("inspect", checkpoint.url)
     assert result.exit_code == 0, result.output
     text = plain(result.stdout)
     assert "environment/env-0" in text, text
@@ -319,8 +367,9 @@ def test_inspect_dump_writes_exactly_the_committed_records(root: Path, url: str)
         assert_identical(expected, decode_line(line))
 
 
-def test_inspect_dump_of_some_episodes(root: Path) -> None:
-    result = run("inspect", str(root / "ck-7"), "--dump", "environment/env-0", "--episode", "edge")
+@each_backend
+def test_inspect_dump_of_some_episodes(checkpoint: Published) -> None:
+    result = run("inspect", checkpoint.url, "--dump", "environment/env-0", "--episode", "edge")
     assert result.exit_code == 0, result.output
     lines = result.stdout_bytes.splitlines()
     assert len(lines) == 1
@@ -329,7 +378,7 @@ def test_inspect_dump_of_some_episodes(root: Path) -> None:
 
     result = run(
         "inspect",
-        str(root / "ck-7"),
+        checkpoint.url,
         "--dump",
         "agent/agent-0",
         "--episode",
@@ -343,9 +392,10 @@ def test_inspect_dump_of_some_episodes(root: Path) -> None:
     assert [decode_line(line)["episode_id"] for line in result.stdout_bytes.splitlines()] == ["9-1", "9-5"]
 
 
-def test_inspect_dump_of_a_damaged_participant_exits_1(root: Path) -> None:
-    flip_byte(records_file(root / "ck-7"))
-    result = run("inspect", str(root / "ck-7"), "--dump", "environment/env-0")
+@each_backend
+def test_inspect_dump_of_a_damaged_participant_exits_1(checkpoint: Published) -> None:
+    checkpoint.flip_byte(checkpoint.records_file())
+    result = run("inspect", checkpoint.url, "--dump", "environment/env-0")
     assert result.exit_code == 1
     assert "records file hashes to" in " ".join(plain(result.stderr).split())
 

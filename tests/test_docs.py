@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 import yaml
-from docs_support import EMBEDDING_SECTION, README, REPO, Block, Workspace, code_blocks
+
+from .docs_support import EMBEDDING_SECTION, README, REPO, Block, Workspace, code_blocks
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import yaml
-from docs_support import EMBEDDING_SECTION, EXAMPLES, README, REPO, Result, Workspace, code_blocks
+
+from .docs_support import EMBEDDING_SECTION, EXAMPLES, README, REPO, Result, Workspace, code_blocks
 
 pytestmark = pytest.mark.timeout(420)
 

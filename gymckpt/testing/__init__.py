@@ -5,8 +5,10 @@
 - ``values``: records with the values that are easy to lose, and type-exact comparison.
 - ``recording``: a backend that records what it was asked, and inotify over a directory.
 - :class:`MotoEndpoint` (``moto``, needs ``moto[server]``): an S3 endpoint in this process.
+- ``participant``: :class:`FakeParticipant`, a participant with controllable episodes.
+- ``time`` and ``net``: a fake clock, bounded waits and polling; free ports, uvicorn in a thread.
 
-It imports the store; the store imports nothing of it. Import the submodules you need:
+It imports the store and the control plane; neither imports it. Import the submodules you need:
 this package's ``__init__`` imports neither pytest nor moto.
 """
 

@@ -1,5 +1,8 @@
 """A real server for the coordination tests: one participant behind gymckpt's control routes.
 
+The participant is :class:`~gymckpt.testing.participant.FakeParticipant` with every control
+operation logged (:class:`LoggingParticipant`).
+
 Started by ``tests/control/test_coordination.py`` as ``python -m uvicorn
 tests.control.coord_server:app`` and configured through environment variables:
 
@@ -42,89 +45,63 @@ from gymckpt.control.participant import Participant
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import CONTROL_PREFIX, install_control
 from gymckpt.errors import StorageError
-from gymckpt.identity import split_capture_key
+from gymckpt.testing.participant import FakeParticipant
 
 
 def _keys(name: str) -> list[str]:
     return [key for key in os.environ.get(name, "").split(",") if key]
 
 
-class LoggingParticipant(Participant):
-    """Episodes are capture keys with a small state; every control operation is logged."""
+class LoggingParticipant(FakeParticipant):
+    """The fake participant, every control operation logged; a retire frees earlier attempts too.
+
+    Admission is also an :class:`asyncio.Event` (:attr:`admission`), which parked runs
+    wait on; deleting restored episodes is a retire (the interface's default).
+    """
+
+    delete_restored = Participant.delete_restored
 
     def __init__(self, kind: str, instance: str, log_path: str, *, behaviours: set[str], export_delay: float) -> None:
-        self.kind = kind
-        self.instance = instance
+        super().__init__(kind, instance, frees_earlier_attempts=True)
         self._log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.behaviours = behaviours
         self.export_delay = export_delay
-        self.state: dict[str, dict[str, Any]] = {}
-        self.busy: set[str] = set()
-        self.restart_keys: set[str] = set()
+        if "fail_restore" in behaviours:
+            self.fail_install = StorageError(f"{kind}/{instance}: injected restore failure")
         self.admission = asyncio.Event()
         self.admission.set()
-        self.listeners: list[Any] = []
         self.parked = 0
         self.parked_changed = asyncio.Event()
 
     def log(self, op: str) -> None:
         os.write(self._log_fd, f"{self.kind} {self.instance} {op}\n".encode())
 
-    def notify(self) -> None:
-        for listener in self.listeners:
-            listener()
-
-    # the interface
     async def close_admission(self, checkpoint_id: str) -> None:
         self.log("close_admission")
         self.admission.clear()
+        await super().close_admission(checkpoint_id)
 
     async def open_admission(self) -> None:
         self.log("open_admission")
+        await super().open_admission()
         self.admission.set()
 
-    def ready(self) -> bool:
-        return not self.busy
-
-    def blocker_count(self) -> int:
-        return len(self.busy)
-
-    def blockers(self, limit: int) -> list[str]:
-        return sorted(self.busy)[:limit]
-
-    def restarts(self) -> list[str]:
-        return sorted(self.restart_keys)
-
     def counts(self) -> dict[str, int]:
-        return {"live": len(self.state), "busy": len(self.busy), "parked": self.parked}
-
-    def add_readiness_listener(self, callback: Any) -> None:
-        self.listeners.append(callback)
+        return {**super().counts(), "parked": self.parked}
 
     async def export(self, scope: list[str]) -> list[dict[str, Any]]:
         self.log(f"export {','.join(scope)}")
         if self.export_delay:
             await asyncio.sleep(self.export_delay)
-        return [{"episode_id": key, "state": self.state[key]} for key in scope if key in self.state]
+        return await super().export(scope)
 
     async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Any = None) -> None:
         self.log(f"install {','.join(scope)}")
-        if "fail_restore" in self.behaviours:
-            raise StorageError(f"{self.kind}/{self.instance}: injected restore failure")
-        for record in records:
-            self.state[record["episode_id"]] = record["state"]
+        await super().install(records, scope, manifest)
 
     async def retire(self, episode_ids: list[str]) -> None:
         self.log(f"retire {','.join(episode_ids)}")
-        limits: dict[str, int] = {}
-        for key in episode_ids:
-            rollout, attempt = split_capture_key(key)
-            limits[rollout] = max(attempt, limits.get(rollout, -1))
-        for key in list(self.state):
-            rollout, attempt = split_capture_key(key)
-            if attempt <= limits.get(rollout, -1):
-                del self.state[key]
-                self.busy.discard(key)
+        await super().retire(episode_ids)
 
 
 def build_app() -> FastAPI:
@@ -174,16 +151,13 @@ def build_app() -> FastAPI:
 
     @app.post("/begin/{key}")
     async def begin(key: str) -> dict[str, Any]:
-        participant.busy.add(key)
-        participant.notify()
+        participant.make_busy(key)
         return {"busy": sorted(participant.busy)}
 
     @app.post("/finish/{key}")
     async def finish(key: str) -> dict[str, Any]:
-        participant.busy.discard(key)
-        state = participant.state.setdefault(key, {"kind": kind, "key": key, "step": 0})
-        participant.state[key] = {**state, "step": state["step"] + 1}
-        participant.notify()
+        state = participant.state.get(key, {"kind": kind, "key": key, "step": 0})
+        participant.finish_step(key, {**state, "step": state["step"] + 1})
         return {"busy": sorted(participant.busy)}
 
     @app.post("/run/{key}")

@@ -11,12 +11,11 @@ local directory all processes share.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,8 +35,11 @@ from gymckpt.control.coordination import (
 from gymckpt.control.models import PrepareReply, PrepareReport
 from gymckpt.errors import ServerCallFailed
 from gymckpt.store import open_store, verify
+from gymckpt.testing.net import free_port
+from gymckpt.testing.time import run_bounded
 
-REPO = Path(__file__).resolve().parents[2]
+from ..support import kill_group, start_uvicorn
+
 TOKEN = "coord-test-token"
 READY_TIMEOUT = 30.0
 #: per-test bound: no coordination call may hang a test
@@ -55,12 +57,6 @@ RESTARTS = {"agent": ["r4"]}
 ALL_KEYS = ["r1", "r2", "r3", "r4"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class Server:
     kind: str
@@ -71,12 +67,7 @@ class Server:
     ready: threading.Event = field(default_factory=threading.Event)
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait(timeout=10)
+        kill_group(self.process, timeout=10)
 
 
 def _drain(server: Server) -> None:
@@ -118,26 +109,12 @@ class Fleet:
             COORD_RESTARTS=",".join(restarts),
             COORD_BEHAVIOURS=",".join(behaviours),
             COORD_EXPORT_DELAY=str(export_delay),
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
         )
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "tests.control.coord_server:app",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--no-access-log",
-            ],
-            cwd=REPO,
+        process = start_uvicorn(
+            ["tests.control.coord_server:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
             env=env,
-            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=True,
         )
         server = Server(kind, instance, f"http://127.0.0.1:{port}", process)
         self.servers.append(server)
@@ -219,13 +196,8 @@ class LogCursor:
         return [op for line_kind, _, op in self.lines() if kind is None or line_kind == kind]
 
 
-def run(coro: Any, bound: float = CALL_BOUND) -> Any:
-    """Run one coroutine on a fresh loop, bounded so nothing can hang the test."""
-
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, bound)
-
-    return asyncio.run(bounded())
+#: run one coroutine on a fresh loop, bounded so nothing can hang the test
+run = functools.partial(run_bounded, timeout=CALL_BOUND)
 
 
 def deadline(seconds: float = 10.0) -> float:

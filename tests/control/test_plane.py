@@ -1,9 +1,11 @@
 """The control plane against a controllable fake participant (SPEC C4–C11).
 
-Every wait is bounded (:func:`wait`, and each test by the conftest's timeout); gates are
-:class:`asyncio.Event` objects the fake participant waits on. Deadlines that must pass
+Every wait is bounded (:func:`~gymckpt.testing.time.bounded`, and each test by the root
+conftest's timeout); gates are :class:`asyncio.Event` objects the fake participant
+(:class:`~gymckpt.testing.participant.FakeParticipant`) waits on. Deadlines that must pass
 are ``time.time()`` plus a few hundredths of a second; leases use an injected clock.
-Records are stored for real, in a local store under ``tmp_path``.
+Records are stored for real, in a local store under ``tmp_path``; the commit and restore
+tests marked ``each_backend`` run on the memory backend too (and S3 where marked so).
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ from gymckpt.errors import (
 )
 from gymckpt.store import CheckpointStore, WriteStop, open_store
 from gymckpt.store._local import LocalBackend
+from gymckpt.testing.participant import FakeParticipant
+from gymckpt.testing.time import WAIT, FakeClock, bounded, drain
 
-from .fake_participant import WAIT, FakeClock, FakeParticipant, drain, wait
+from ..support import each_backend, each_backend_and_s3
 
 #: a deadline that must pass while something is gated
 SHORT = 0.05
@@ -98,18 +102,25 @@ def forget_req(rollouts: list[str]) -> ForgetRequest:
 
 
 def seed_checkpoint(
-    directory: str | Path, checkpoint_id: str, records: list[dict[str, Any]], *, fake: FakeParticipant
+    directory: str | Path,
+    checkpoint_id: str,
+    records: list[dict[str, Any]],
+    *,
+    fake: FakeParticipant,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """A committed checkpoint for ``fake``'s kind and instance, written straight through the store."""
-    with open_store(str(directory)) as store:
+    with open_store(str(directory), **(storage_options or {})) as store:
         store.write_participant(
             "", kind=fake.kind, instance=fake.instance, checkpoint_id=checkpoint_id, records=records
         )
 
 
-def read_back(directory: str | Path, fake: FakeParticipant) -> tuple[Any, list[dict[str, Any]]]:
+def read_back(
+    directory: str | Path, fake: FakeParticipant, storage_options: dict[str, Any] | None = None
+) -> tuple[Any, list[dict[str, Any]]]:
     """The manifest and records a commit stored for ``fake``."""
-    with open_store(str(directory)) as store:
+    with open_store(str(directory), **(storage_options or {})) as store:
         manifest = store.read_manifest("", kind=fake.kind, instance=fake.instance)
         records = list(store.read_participant("", kind=fake.kind, instance=fake.instance))
     return manifest, records
@@ -124,30 +135,32 @@ def published(directory: str | Path) -> list[Path]:
 
 
 async def prepared(plane: ControlPlane, checkpoint_id: str = "c1") -> None:
-    reply = await wait(plane.prepare(req(checkpoint_id)))
+    reply = await bounded(plane.prepare(req(checkpoint_id)))
     assert reply.phase is Phase.PREPARED, reply
 
 
-async def restored_then_resumed(plane: ControlPlane, fake: FakeParticipant, tmp_path: Path, keys: list[str]) -> None:
-    """Restore ``keys`` (each installed under its next attempt) from checkpoint c0, then resume."""
-    source = tmp_path / "source"
+async def restored_then_resumed(
+    plane: ControlPlane, fake: FakeParticipant, source: str | Path, keys: list[str]
+) -> None:
+    """Restore ``keys`` (each installed under its next attempt) from checkpoint c0 in ``source``, then resume."""
     seed_checkpoint(source, "c0", [{"episode_id": key, "state": {"of": key}} for key in keys], fake=fake)
-    await wait(plane.restore(restore_req("c0", source, keys)))
-    await wait(plane.resume(req("c0")))
+    await bounded(plane.restore(restore_req("c0", source, keys)))
+    await bounded(plane.resume(req("c0")))
     assert plane.phase is Phase.IDLE
 
 
 # --- phases (C4)
 
 
-async def test_phases_idle_preparing_prepared_committed_idle(fake, ckpt_dir):
-    plane = ControlPlane(fake)
+@each_backend_and_s3
+async def test_phases_idle_preparing_prepared_committed_idle(fake, ckpt_dir, storage):
+    plane = ControlPlane(fake, **storage.plane_options)
     fake.start("a", {"step": 1}, busy=True)
     fake.start("b", {"step": 2})
     assert plane.status().phase is Phase.IDLE
 
     preparing = asyncio.create_task(plane.prepare(req("c1")))
-    await wait(fake.started["close"].wait())
+    await bounded(fake.started["close"].wait())
     await drain()
     assert not preparing.done()
     assert plane.phase is Phase.PREPARING
@@ -155,19 +168,19 @@ async def test_phases_idle_preparing_prepared_committed_idle(fake, ckpt_dir):
     assert not fake.admission_open
 
     fake.finish_step("a")
-    reply = await wait(preparing)
+    reply = await bounded(preparing)
     assert reply.phase is Phase.PREPARED
     assert reply.report.ready
     assert reply.report.blockers == []
     assert reply.report.blocker_count == 0
     assert plane.phase is Phase.PREPARED
 
-    committed = await wait(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"])))
+    committed = await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"])))
     assert committed.phase is Phase.COMMITTED
     assert plane.phase is Phase.COMMITTED
     assert plane.status().checkpoint_id == "c1"
 
-    resumed = await wait(plane.resume(req("c1")))
+    resumed = await bounded(plane.resume(req("c1")))
     assert resumed == ResumeReply(phase=Phase.IDLE, checkpoint_id="c1")
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
@@ -181,12 +194,12 @@ async def test_phases_idle_preparing_prepared_committed_idle(fake, ckpt_dir):
 async def test_resume_returns_an_open_checkpoint_to_idle(fake, busy, open_phase):
     plane = ControlPlane(fake)
     fake.start("a", busy=busy)
-    reply = await wait(plane.prepare(req("c1", SHORT if busy else LONG)))
+    reply = await bounded(plane.prepare(req("c1", SHORT if busy else LONG)))
     assert reply.phase is open_phase
     assert plane.phase is open_phase
     assert not fake.admission_open
 
-    resumed = await wait(plane.resume(req("c1")))
+    resumed = await bounded(plane.resume(req("c1")))
     assert resumed.phase is Phase.IDLE
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
@@ -199,13 +212,13 @@ async def test_a_second_checkpoint_id_while_one_is_open_conflicts(fake, ckpt_dir
     fake.start("a")
     await prepared(plane, "c1")
     with pytest.raises(CheckpointConflict):
-        await wait(plane.prepare(req("c2")))
+        await bounded(plane.prepare(req("c2")))
     with pytest.raises(CheckpointConflict):
-        await wait(plane.commit(commit_req("c2", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c2", ckpt_dir, ["a"])))
     with pytest.raises(CheckpointConflict):
-        await wait(plane.renew(req("c2")))
+        await bounded(plane.renew(req("c2")))
     with pytest.raises(CheckpointConflict):
-        await wait(plane.resume(req("c2")))
+        await bounded(plane.resume(req("c2")))
     assert plane.phase is Phase.PREPARED
     assert plane.status().checkpoint_id == "c1"
     assert not fake.admission_open
@@ -220,31 +233,31 @@ async def test_the_last_64_resumed_ids_are_stale_and_the_65th_oldest_is_forgotte
     fake.start("a")
     for number in range(65):
         await prepared(plane, f"c{number}")
-        await wait(plane.resume(req(f"c{number}")))
+        await bounded(plane.resume(req(f"c{number}")))
 
     for number in (1, 2, 33, 64):
         with pytest.raises(StaleCheckpoint):
-            await wait(plane.prepare(req(f"c{number}")))
+            await bounded(plane.prepare(req(f"c{number}")))
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.commit(commit_req("c64", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c64", ckpt_dir, ["a"])))
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.renew(req("c64")))
+        await bounded(plane.renew(req("c64")))
     assert plane.phase is Phase.IDLE
 
     # c0 is the 65th-oldest: forgotten, so the id opens again
     await prepared(plane, "c0")
     # a late call naming a remembered id is stale, not a conflict, while another is open
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.commit(commit_req("c5", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c5", ckpt_dir, ["a"])))
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.prepare(req("c5")))
+        await bounded(plane.prepare(req("c5")))
     assert plane.status().checkpoint_id == "c0"
-    await wait(plane.resume(req("c0")))
+    await bounded(plane.resume(req("c0")))
     # resuming c0 pushed c1 out of the 64, resuming c1 again pushes c2 out
     await prepared(plane, "c1")
-    await wait(plane.resume(req("c1")))
+    await bounded(plane.resume(req("c1")))
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.prepare(req("c3")))
+        await bounded(plane.prepare(req("c3")))
     await prepared(plane, "c2")
     await plane.close()
 
@@ -253,21 +266,21 @@ async def test_the_last_64_resumed_ids_are_stale_and_the_65th_oldest_is_forgotte
 async def test_retire_and_forget_are_refused_while_a_checkpoint_is_open(fake, ckpt_dir, open_phase):
     plane = ControlPlane(fake)
     fake.start("a", busy=open_phase is Phase.PREPARING)
-    await wait(plane.prepare(req("c1", SHORT if open_phase is Phase.PREPARING else LONG)))
+    await bounded(plane.prepare(req("c1", SHORT if open_phase is Phase.PREPARING else LONG)))
     if open_phase is Phase.COMMITTED:
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert plane.phase is open_phase
 
     with pytest.raises(InvalidPhase):
-        await wait(plane.retire(retire_req(["a"])))
+        await bounded(plane.retire(retire_req(["a"])))
     with pytest.raises(InvalidPhase):
-        await wait(plane.forget(forget_req(["a"])))
+        await bounded(plane.forget(forget_req(["a"])))
     assert fake.count("retire") == 0
     assert plane.phase is open_phase
 
-    await wait(plane.resume(req("c1")))
-    assert (await wait(plane.retire(retire_req(["a"])))).retired_count == 1
-    assert (await wait(plane.forget(forget_req(["a"])))).forgotten_count == 1
+    await bounded(plane.resume(req("c1")))
+    assert (await bounded(plane.retire(retire_req(["a"])))).retired_count == 1
+    assert (await bounded(plane.forget(forget_req(["a"])))).forgotten_count == 1
     assert fake.retired == [["a"]]
     await plane.close()
 
@@ -283,7 +296,7 @@ async def test_prepare_out_of_time_replies_preparing_with_capped_blockers_and_ev
         fake.start(key, busy=True)
     fake.restart_keys.update(restarts)
 
-    reply = await wait(plane.prepare(req("c1", SHORT)))
+    reply = await bounded(plane.prepare(req("c1", SHORT)))
     assert reply.phase is Phase.PREPARING
     report = reply.report
     assert report.ready is False
@@ -297,7 +310,7 @@ async def test_prepare_out_of_time_replies_preparing_with_capped_blockers_and_ev
 
     # not prepared yet: a commit is refused and exports nothing
     with pytest.raises(InvalidPhase):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, busy[:3])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, busy[:3])))
     assert fake.count("export") == 0
     await plane.close()
 
@@ -307,7 +320,7 @@ async def test_prepare_with_only_restarts_is_ready(fake):
     fake.start("a")
     fake.start("x")  # a restart keeps running but never blocks
     fake.restart_keys.add("x")
-    reply = await wait(plane.prepare(req("c1")))
+    reply = await bounded(plane.prepare(req("c1")))
     assert reply.phase is Phase.PREPARED
     assert reply.report.ready
     assert reply.report.restarts == ["x"]
@@ -318,7 +331,7 @@ async def test_prepare_retried_with_its_id_waits_again_and_closes_admission_once
     clock = FakeClock()
     plane = ControlPlane(fake, clock=clock)
     fake.start("a", busy=True)
-    first = await wait(plane.prepare(req("c1", SHORT, clock=clock)))
+    first = await bounded(plane.prepare(req("c1", SHORT, clock=clock)))
     assert first.phase is Phase.PREPARING
     assert first.report.blockers == ["a"]
 
@@ -326,7 +339,7 @@ async def test_prepare_retried_with_its_id_waits_again_and_closes_admission_once
     await drain()
     assert not second.done()
     fake.finish_step("a")
-    reply = await wait(second)
+    reply = await bounded(second)
     assert reply.phase is Phase.PREPARED
     assert fake.count("close") == 1
     # the retry's deadline extended the lease
@@ -338,7 +351,7 @@ async def test_prepare_sets_the_lease_from_the_deadline(fake):
     clock = FakeClock()
     plane = ControlPlane(fake, clock=clock, lease_grace_seconds=120.0)
     request = req("c1", 30.0, clock=clock)
-    await wait(plane.prepare(request))
+    await bounded(plane.prepare(request))
     assert plane.lease_expires_at == request.deadline_ts + 120.0
     assert plane.status().lease_expires_at == request.deadline_ts + 120.0
     await plane.close()
@@ -349,7 +362,7 @@ async def test_a_close_admission_failure_during_prepare_reopens_admission(fake):
     fake.start("a")
     fake.fail_close = RuntimeError("one worker did not close")
     with pytest.raises(RuntimeError):
-        await wait(plane.prepare(req("c1")))
+        await bounded(plane.prepare(req("c1")))
     assert fake.admission_open
     assert fake.count("open") == 1
     assert plane.phase is Phase.IDLE
@@ -366,7 +379,7 @@ async def test_a_prepare_retried_while_admission_is_closing_does_not_report_prep
     fake.start("a")
     fake.close_gate = asyncio.Event()
     first = asyncio.create_task(plane.prepare(req("c1")))
-    await wait(fake.started["close"].wait())
+    await bounded(fake.started["close"].wait())
 
     second = asyncio.create_task(plane.prepare(req("c1")))
     await drain()
@@ -374,7 +387,7 @@ async def test_a_prepare_retried_while_admission_is_closing_does_not_report_prep
     assert not second.done(), second.result()
     assert plane.phase is Phase.PREPARING
     fake.close_gate.set()
-    replies = await wait(asyncio.gather(first, second))
+    replies = await bounded(asyncio.gather(first, second))
     assert [reply.phase for reply in replies] == [Phase.PREPARED, Phase.PREPARED]
     assert fake.count("close") == 1
     await plane.close()
@@ -383,8 +396,9 @@ async def test_a_prepare_retried_while_admission_is_closing_does_not_report_prep
 # --- commit (C6)
 
 
-async def test_commit_stores_the_records_through_the_store(fake, ckpt_dir):
-    plane = ControlPlane(fake)
+@each_backend_and_s3
+async def test_commit_stores_the_records_through_the_store(fake, ckpt_dir, storage):
+    plane = ControlPlane(fake, **storage.plane_options)
     fake.start("a", {"step": 3, "nested": {"z": 1, "a": [1, 2.5, None]}})
     fake.start("b", {"step": 1})
     fake.start("c", {"step": 9})  # live but out of scope
@@ -392,10 +406,10 @@ async def test_commit_stores_the_records_through_the_store(fake, ckpt_dir):
     fake.extra_commit_reply = {"staging_keys": ["k1"]}
     await prepared(plane)
 
-    reply = await wait(plane.commit(commit_req("c1", ckpt_dir, ["b", "a", "missing"])))
+    reply = await bounded(plane.commit(commit_req("c1", ckpt_dir, ["b", "a", "missing"])))
     assert fake.calls[fake.names().index("export")] == ("export", ["a", "b", "missing"])
 
-    manifest, records = read_back(ckpt_dir, fake)
+    manifest, records = read_back(ckpt_dir, fake, storage.storage_options)
     assert manifest.checkpoint_id == "c1"
     assert manifest.record_count == 2
     assert list(manifest.episode_ids) == ["a", "b"]
@@ -403,8 +417,7 @@ async def test_commit_stores_the_records_through_the_store(fake, ckpt_dir):
         {"episode_id": "a", "state": {"step": 3, "nested": {"z": 1, "a": [1, 2.5, None]}}},
         {"episode_id": "b", "state": {"step": 1}},
     ]
-    manifest_file = Path(ckpt_dir) / "gym" / "environment" / "env-0" / "manifest.json"
-    raw = manifest_file.read_bytes()
+    raw = storage.read(ckpt_dir, "gym/environment/env-0/manifest.json")
     assert json.loads(raw)["note"] == "fake"
 
     assert reply.phase is Phase.COMMITTED
@@ -429,7 +442,7 @@ async def test_a_commit_retried_after_a_failed_store_stores_the_same_records(fak
     await prepared(plane)
 
     with pytest.raises(UnusableDirectory):
-        await wait(plane.commit(commit_req("c1", checkpoint, ["a", "b"])))
+        await bounded(plane.commit(commit_req("c1", checkpoint, ["a", "b"])))
     assert plane.phase is Phase.PREPARED
 
     # the participant's state changes meanwhile: the cut stays the first one
@@ -438,7 +451,7 @@ async def test_a_commit_retried_after_a_failed_store_stores_the_same_records(fak
     fake.start("c", {"step": 2})
     (checkpoint / "gym").unlink()
 
-    reply = await wait(plane.commit(commit_req("c1", checkpoint, ["b", "a"])))
+    reply = await bounded(plane.commit(commit_req("c1", checkpoint, ["b", "a"])))
     _, records = read_back(checkpoint, fake)
     assert records == [{"episode_id": "a", "state": {"step": 1}}, {"episode_id": "b", "state": {"step": 1}}]
     assert reply.episode_ids == ["a", "b"]
@@ -447,25 +460,26 @@ async def test_a_commit_retried_after_a_failed_store_stores_the_same_records(fak
     await plane.close()
 
 
-async def test_a_commit_retried_while_the_first_runs_awaits_it(fake, ckpt_dir):
-    plane = ControlPlane(fake)
+@each_backend
+async def test_a_commit_retried_while_the_first_runs_awaits_it(fake, ckpt_dir, storage):
+    plane = ControlPlane(fake, **storage.plane_options)
     fake.start("a")
     fake.start("b")
     await prepared(plane)
     fake.export_gate = asyncio.Event()
 
     first = asyncio.create_task(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"])))
-    await wait(fake.started["export"].wait())
+    await bounded(fake.started["export"].wait())
     second = asyncio.create_task(plane.commit(commit_req("c1", ckpt_dir, ["b", "a"])))
     await drain()
     assert not first.done()
     assert not second.done()
 
     fake.export_gate.set()
-    first_reply, second_reply = await wait(asyncio.gather(first, second))
+    first_reply, second_reply = await bounded(asyncio.gather(first, second))
     assert first_reply == second_reply
     # after it finished, a retry returns the finished result
-    assert await wait(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"]))) == first_reply
+    assert await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"]))) == first_reply
     assert fake.count("export") == 1
     await plane.close()
 
@@ -477,10 +491,10 @@ async def test_a_commit_past_its_deadline_keeps_running_and_a_retry_gets_its_res
     fake.export_gate = asyncio.Event()
 
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"], SHORT)))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"], SHORT)))
     assert plane.phase is Phase.PREPARED
     fake.export_gate.set()
-    reply = await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+    reply = await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert reply.episode_ids == ["a"]
     assert fake.count("export") == 1
     assert read_back(ckpt_dir, fake)[0].record_count == 1
@@ -494,26 +508,26 @@ async def test_a_failed_export_is_export_failed_for_good(fake, tmp_path):
     fake.fail_export = RuntimeError("export broke")
 
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
+        await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
     fake.fail_export = None
     for _ in range(2):
         with pytest.raises(ExportFailed):
-            await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
+            await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", tmp_path / "two", ["a"])))
+        await bounded(plane.commit(commit_req("c1", tmp_path / "two", ["a"])))
     with pytest.raises(ExportFailed):
-        await wait(plane.prepare(req("c1")))
+        await bounded(plane.prepare(req("c1")))
     assert fake.count("export") == 1
     assert published(tmp_path) == []
 
-    await wait(plane.resume(req("c1")))
+    await bounded(plane.resume(req("c1")))
     assert fake.admission_open
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
+        await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
 
     # a new id after resume exports and stores again
     await prepared(plane, "c2")
-    reply = await wait(plane.commit(commit_req("c2", tmp_path / "three", ["a"])))
+    reply = await bounded(plane.commit(commit_req("c2", tmp_path / "three", ["a"])))
     assert reply.episode_ids == ["a"]
     assert fake.count("export") == 2
     await plane.close()
@@ -525,14 +539,14 @@ async def test_an_export_that_outlived_its_commit_and_failed_is_export_failed_fo
     await prepared(plane)
     fake.export_gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"], SHORT)))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"], SHORT)))
     fake.fail_export = RuntimeError("export broke late")
     fake.export_gate.set()
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     fake.fail_export = None
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert fake.count("export") == 1
     assert published(ckpt_dir) == []
     await plane.close()
@@ -540,15 +554,15 @@ async def test_an_export_that_outlived_its_commit_and_failed_is_export_failed_fo
 
 async def test_a_commit_that_failed_deleting_restored_state_can_be_retried(fake, tmp_path):
     plane = ControlPlane(fake)
-    await restored_then_resumed(plane, fake, tmp_path, ["a", "b"])
+    await restored_then_resumed(plane, fake, tmp_path / "source", ["a", "b"])
     await prepared(plane)
     fake.fail_delete = RuntimeError("delete failed")
     with pytest.raises(RuntimeError):
-        await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
+        await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
     manifest = (tmp_path / "one" / "gym" / "environment" / "env-0" / "manifest.json").read_bytes()
 
     fake.fail_delete = None
-    reply = await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
+    reply = await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
     assert reply.manifest_sha256 == hashlib.sha256(manifest).hexdigest()
     assert fake.count("delete_restored") == 2
     assert fake.deleted == [["b-a1"]]
@@ -564,18 +578,18 @@ async def test_readiness_regressed_after_prepare_is_export_failed_for_good(fake,
     fake.make_busy("a")
 
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     fake.finish_step("a")
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     with pytest.raises(ExportFailed):
-        await wait(plane.prepare(req("c1")))
+        await bounded(plane.prepare(req("c1")))
     assert fake.count("export") == 0
     assert published(ckpt_dir) == []
 
-    await wait(plane.resume(req("c1")))
+    await bounded(plane.resume(req("c1")))
     await prepared(plane, "c2")
-    reply = await wait(plane.commit(commit_req("c2", ckpt_dir, ["a"])))
+    reply = await bounded(plane.commit(commit_req("c2", ckpt_dir, ["a"])))
     assert reply.checkpoint_id == "c2"
     await plane.close()
 
@@ -587,23 +601,23 @@ async def test_a_commit_retried_with_another_scope_or_directory_conflicts(fake, 
     await prepared(plane)
     fake.export_gate = asyncio.Event()
     running = asyncio.create_task(plane.commit(commit_req("c1", tmp_path / "one", ["a", "b"])))
-    await wait(fake.started["export"].wait())
+    await bounded(fake.started["export"].wait())
     # while it runs
     with pytest.raises(CheckpointConflict):
-        await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
+        await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a"])))
     fake.export_gate.set()
-    reply = await wait(running)
+    reply = await bounded(running)
 
     # once completed: the same scope in another order (and repeated) is the same commit
-    assert await wait(plane.commit(commit_req("c1", tmp_path / "one", ["b", "a"]))) == reply
-    assert await wait(plane.commit(commit_req("c1", tmp_path / "one", ["b", "a", "b"]))) == reply
+    assert await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["b", "a"]))) == reply
+    assert await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["b", "a", "b"]))) == reply
     for directory, scope in (
         (tmp_path / "one", ["a"]),
         (tmp_path / "one", ["a", "b", "c"]),
         (tmp_path / "two", ["a", "b"]),
     ):
         with pytest.raises(CheckpointConflict):
-            await wait(plane.commit(commit_req("c1", directory, scope)))
+            await bounded(plane.commit(commit_req("c1", directory, scope)))
     assert fake.count("export") == 1
     assert published(tmp_path / "two") == []
     await plane.close()
@@ -617,10 +631,10 @@ async def test_a_scope_naming_a_restart_is_restart_in_scope(fake, ckpt_dir):
     await prepared(plane)
 
     with pytest.raises(RestartInScope):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a", "x"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a", "x"])))
     assert fake.count("export") == 0
     assert published(ckpt_dir) == []
-    reply = await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+    reply = await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert reply.episode_ids == ["a"]
     await plane.close()
 
@@ -629,31 +643,32 @@ async def test_commit_without_an_open_checkpoint_is_invalid_phase(fake, ckpt_dir
     plane = ControlPlane(fake)
     fake.start("a")
     with pytest.raises(InvalidPhase):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert fake.count("export") == 0
     await plane.close()
 
 
-async def test_commit_deletes_the_restored_episodes_its_scope_leaves_out(fake, tmp_path):
-    plane = ControlPlane(fake)
-    await restored_then_resumed(plane, fake, tmp_path, ["a", "b", "c"])
+@each_backend
+async def test_commit_deletes_the_restored_episodes_its_scope_leaves_out(fake, storage):
+    plane = ControlPlane(fake, **storage.plane_options)
+    await restored_then_resumed(plane, fake, storage.url("source"), ["a", "b", "c"])
     fake.start("n")
     await prepared(plane)
 
-    reply = await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1", "n"])))
+    reply = await bounded(plane.commit(commit_req("c1", storage.url("one"), ["a-a1", "n"])))
     assert reply.episode_ids == ["a-a1", "n"]
     assert fake.deleted == [["b-a1", "c-a1"]]
     assert fake.count("retire") == 0
     for key in ("a-a1", "b-a1", "c-a1"):
         assert not plane.marks.is_refused(key)  # deleted, not retired
-    _, records = read_back(tmp_path / "one", fake)
+    _, records = read_back(storage.url("one"), fake)
     assert [record["episode_id"] for record in records] == ["a-a1", "n"]
     assert records[0]["state"] == {"of": "a"}
 
     # the next checkpoint deletes only what it leaves out of what is still restored
-    await wait(plane.resume(req("c1")))
+    await bounded(plane.resume(req("c1")))
     await prepared(plane, "c2")
-    await wait(plane.commit(commit_req("c2", tmp_path / "two", ["n"])))
+    await bounded(plane.commit(commit_req("c2", storage.url("two"), ["n"])))
     assert fake.deleted == [["b-a1", "c-a1"], ["a-a1"]]
     await plane.close()
 
@@ -664,9 +679,9 @@ async def test_delete_restored_defaults_to_retire(tmp_path):
 
     fake = RetireOnly()
     plane = ControlPlane(fake)
-    await restored_then_resumed(plane, fake, tmp_path, ["a", "b"])
+    await restored_then_resumed(plane, fake, tmp_path / "source", ["a", "b"])
     await prepared(plane)
-    await wait(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
+    await bounded(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
     assert fake.retired == [["b-a1"]]
     assert not plane.marks.is_refused("b-a1")
     await plane.close()
@@ -713,15 +728,15 @@ async def test_resume_stops_a_write_that_outlived_its_commit(fake, ckpt_dir, mon
         fake.start("b")
         await prepared(plane)
         with pytest.raises(DeadlineExceeded):
-            await wait(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"], SHORT)))
-        await wait(asyncio.to_thread(slow.blocked.wait, WAIT))
+            await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"], SHORT)))
+        await bounded(asyncio.to_thread(slow.blocked.wait, WAIT))
 
-        resumed = await wait(plane.resume(req("c1")))
+        resumed = await bounded(plane.resume(req("c1")))
         assert resumed.phase is Phase.IDLE
         assert published(ckpt_dir) == []
         assert fake.admission_open
         with pytest.raises(StaleCheckpoint):
-            await wait(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"])))
+            await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"])))
         assert published(ckpt_dir) == []
         await plane.close()
     finally:
@@ -736,11 +751,11 @@ async def test_resume_gives_the_awaiting_commit_caller_an_error(fake, ckpt_dir, 
         fake.start("b")
         await prepared(plane)
         commit = asyncio.create_task(plane.commit(commit_req("c1", ckpt_dir, ["a", "b"])))
-        await wait(asyncio.to_thread(slow.blocked.wait, WAIT))
+        await bounded(asyncio.to_thread(slow.blocked.wait, WAIT))
 
-        await wait(plane.resume(req("c1")))
+        await bounded(plane.resume(req("c1")))
         with pytest.raises(GymckptError):
-            await wait(commit)
+            await bounded(commit)
         assert published(ckpt_dir) == []
         await plane.close()
     finally:
@@ -753,12 +768,12 @@ async def test_resume_cancelling_a_running_export_gives_the_commit_caller_export
     await prepared(plane)
     fake.export_gate = asyncio.Event()
     commit = asyncio.create_task(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
-    await wait(fake.started["export"].wait())
+    await bounded(fake.started["export"].wait())
 
-    await wait(plane.resume(req("c1")))
+    await bounded(plane.resume(req("c1")))
     assert plane.phase is Phase.IDLE
     with pytest.raises(ExportFailed):
-        await wait(commit)
+        await bounded(commit)
     assert "export_done" not in fake.names()
     assert published(ckpt_dir) == []
     await plane.close()
@@ -781,17 +796,17 @@ async def test_resume_waits_for_a_publication_under_way(fake, ckpt_dir, monkeypa
         fake.start("a")
         await prepared(plane)
         commit = asyncio.create_task(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
-        await wait(asyncio.to_thread(publishing.wait, WAIT))
+        await bounded(asyncio.to_thread(publishing.wait, WAIT))
 
         resume = asyncio.create_task(plane.resume(req("c1")))
         done, _ = await asyncio.wait({resume}, timeout=0.2)
         assert not done, "resume returned while a manifest was being published"
         release.set()
-        await wait(resume)
+        await bounded(resume)
         files_at_resume = published(ckpt_dir)
         # the publication under way completed before resume returned, and nothing appears after
         assert [path.name for path in files_at_resume if path.name == "manifest.json"] == ["manifest.json"]
-        assert (await wait(commit)).episode_ids == ["a"]
+        assert (await bounded(commit)).episode_ids == ["a"]
         assert published(ckpt_dir) == files_at_resume
         await plane.close()
     finally:
@@ -800,28 +815,28 @@ async def test_resume_waits_for_a_publication_under_way(fake, ckpt_dir, monkeypa
 
 async def test_resume_out_of_time_keeps_the_phase_and_a_retry_works(fake, tmp_path):
     plane = ControlPlane(fake)
-    await restored_then_resumed(plane, fake, tmp_path, ["a", "b"])
+    await restored_then_resumed(plane, fake, tmp_path / "source", ["a", "b"])
     await prepared(plane)
     fake.delete_gate = asyncio.Event()
     commit = asyncio.create_task(plane.commit(commit_req("c1", tmp_path / "one", ["a-a1"])))
-    await wait(fake.started["delete_restored"].wait())
+    await bounded(fake.started["delete_restored"].wait())
     phase = plane.phase
     opens = fake.count("open")
 
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.resume(req("c1", SHORT)))
+        await bounded(plane.resume(req("c1", SHORT)))
     assert plane.phase is phase
     assert plane.status().checkpoint_id == "c1"
     assert not fake.admission_open
     assert fake.count("open") == opens
 
     fake.delete_gate.set()
-    resumed = await wait(plane.resume(req("c1")))
+    resumed = await bounded(plane.resume(req("c1")))
     assert resumed.phase is Phase.IDLE
     assert fake.admission_open
     names = fake.names()
     assert names.index("delete_restored_done") < len(names) - 1 - names[::-1].index("open")
-    await wait(commit)
+    await bounded(commit)
     assert fake.deleted == [["b-a1"]]
     await plane.close()
 
@@ -832,10 +847,10 @@ async def test_resume_out_of_time_reopening_admission_keeps_the_phase(fake):
     await prepared(plane)
     fake.open_gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.resume(req("c1", SHORT)))
+        await bounded(plane.resume(req("c1", SHORT)))
     assert plane.phase is Phase.PREPARED
     fake.open_gate.set()
-    resumed = await wait(plane.resume(req("c1")))
+    resumed = await bounded(plane.resume(req("c1")))
     assert resumed.phase is Phase.IDLE
     assert fake.admission_open
     await plane.close()
@@ -845,20 +860,20 @@ async def test_a_repeated_resume_is_a_no_op(fake):
     plane = ControlPlane(fake)
     fake.start("a")
     await prepared(plane, "c1")
-    first = await wait(plane.resume(req("c1")))
-    second = await wait(plane.resume(req("c1")))
+    first = await bounded(plane.resume(req("c1")))
+    second = await bounded(plane.resume(req("c1")))
     assert first == second == ResumeReply(phase=Phase.IDLE, checkpoint_id="c1")
     assert fake.count("open") == 1
 
     # a late resume of c1 while c2 is open changes nothing
     await prepared(plane, "c2")
-    late = await wait(plane.resume(req("c1")))
+    late = await bounded(plane.resume(req("c1")))
     assert late.checkpoint_id == "c1"
     assert plane.phase is Phase.PREPARED
     assert plane.status().checkpoint_id == "c2"
     assert not fake.admission_open
     assert fake.count("open") == 1
-    await wait(plane.resume(req("c2")))
+    await bounded(plane.resume(req("c2")))
     assert fake.admission_open
     await plane.close()
 
@@ -872,26 +887,26 @@ async def test_an_expired_lease_resumes_by_itself(fake, ckpt_dir, open_phase):
     plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
     fake.start("a", busy=open_phase is Phase.PREPARING)
     request = req("c1", SHORT if open_phase is Phase.PREPARING else 10.0, clock=clock)
-    await wait(plane.prepare(request))
+    await bounded(plane.prepare(request))
     if open_phase is Phase.COMMITTED:
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert plane.phase is open_phase
     assert plane.lease_expires_at == request.deadline_ts + 600.0
 
-    assert await wait(plane.expire_lease()) is False
+    assert await bounded(plane.expire_lease()) is False
     clock.set(request.deadline_ts + 599.0)
-    assert await wait(plane.expire_lease()) is False
+    assert await bounded(plane.expire_lease()) is False
     assert plane.phase is open_phase
     assert not fake.admission_open
 
     clock.set(request.deadline_ts + 601.0)
-    assert await wait(plane.expire_lease()) is True
+    assert await bounded(plane.expire_lease()) is True
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     assert plane.lease_expires_at is None
     assert plane.status().checkpoint_id is None
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.prepare(req("c1", clock=clock)))
+        await bounded(plane.prepare(req("c1", clock=clock)))
     await plane.close()
 
 
@@ -901,10 +916,10 @@ async def test_an_expired_lease_of_a_restore_resumes_it(fake, tmp_path):
     seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
     request = restore_req("c0", tmp_path / "source", ["a"])
     request = request.model_copy(update={"deadline_ts": clock() + 10.0})
-    await wait(plane.restore(request))
+    await bounded(plane.restore(request))
     assert plane.phase is Phase.RESTORED
     clock.advance(611.0)
-    assert await wait(plane.expire_lease()) is True
+    assert await bounded(plane.expire_lease()) is True
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     await plane.close()
@@ -914,16 +929,16 @@ async def test_a_failing_resume_on_lease_expiry_is_retried(fake):
     clock = FakeClock()
     plane = ControlPlane(fake, clock=clock)
     fake.start("a")
-    await wait(plane.prepare(req("c1", 10.0, clock=clock)))
+    await bounded(plane.prepare(req("c1", 10.0, clock=clock)))
     clock.advance(611.0)
     fake.fail_open = RuntimeError("reopen failed")
     with pytest.raises(RuntimeError):
-        await wait(plane.expire_lease())
+        await bounded(plane.expire_lease())
     assert plane.phase is Phase.PREPARED
     assert plane.status().checkpoint_id == "c1"
 
     fake.fail_open = None
-    assert await wait(plane.expire_lease()) is True
+    assert await bounded(plane.expire_lease()) is True
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     await plane.close()
@@ -934,15 +949,15 @@ async def test_a_lease_expiry_out_of_time_keeps_the_phase_and_succeeds_on_retry(
     clock = FakeClock()
     plane = ControlPlane(fake, clock=clock)
     fake.start("a")
-    await wait(plane.prepare(req("c1", 10.0, clock=clock)))
+    await bounded(plane.prepare(req("c1", 10.0, clock=clock)))
     clock.advance(611.0)
     fake.open_gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.expire_lease())
+        await bounded(plane.expire_lease())
     assert plane.phase is Phase.PREPARED
     assert not fake.admission_open
     fake.open_gate.set()
-    assert await wait(plane.expire_lease()) is True
+    assert await bounded(plane.expire_lease()) is True
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     await plane.close()
@@ -954,9 +969,9 @@ async def test_the_lease_watcher_resumes_and_retries_after_an_error(fake, monkey
     fake.start("a")
     fake.fail_open = RuntimeError("reopen failed once")
     fake.fail_open_once = True
-    await wait(plane.prepare(req("c1", 0.02)))
+    await bounded(plane.prepare(req("c1", 0.02)))
 
-    await wait(fake.opened.wait())
+    await bounded(fake.opened.wait())
     await drain()
     assert fake.count("open") == 2
     assert plane.phase is Phase.IDLE
@@ -969,21 +984,21 @@ async def test_renew_extends_the_lease(fake):
     plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
     fake.start("a")
     first = req("c1", 10.0, clock=clock)
-    await wait(plane.prepare(first))
+    await bounded(plane.prepare(first))
     assert plane.lease_expires_at == first.deadline_ts + 600.0
 
     later = ControlRequest(checkpoint_id="c1", deadline_ts=first.deadline_ts + 90.0)
-    reply = await wait(plane.renew(later))
+    reply = await bounded(plane.renew(later))
     assert reply.checkpoint_id == "c1"
     assert reply.phase is Phase.PREPARED
     assert reply.lease_expires_at == later.deadline_ts + 600.0
     assert plane.status().lease_expires_at == later.deadline_ts + 600.0
 
     clock.set(first.deadline_ts + 601.0)  # the first lease would have expired
-    assert await wait(plane.expire_lease()) is False
+    assert await bounded(plane.expire_lease()) is False
     assert plane.phase is Phase.PREPARED
     clock.set(later.deadline_ts + 601.0)
-    assert await wait(plane.expire_lease()) is True
+    assert await bounded(plane.expire_lease()) is True
     assert plane.phase is Phase.IDLE
     await plane.close()
 
@@ -992,13 +1007,13 @@ async def test_renew_outside_an_open_checkpoint_is_refused(fake):
     plane = ControlPlane(fake)
     fake.start("a")
     with pytest.raises(InvalidPhase):
-        await wait(plane.renew(req("c1")))
+        await bounded(plane.renew(req("c1")))
     await prepared(plane, "c1")
     with pytest.raises(CheckpointConflict):
-        await wait(plane.renew(req("c2")))
-    await wait(plane.resume(req("c1")))
+        await bounded(plane.renew(req("c2")))
+    await bounded(plane.resume(req("c1")))
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.renew(req("c1")))
+        await bounded(plane.renew(req("c1")))
     await plane.close()
 
 
@@ -1011,7 +1026,7 @@ async def test_retire_marks_before_its_deadline_limited_work(fake):
     fake.retire_gate = asyncio.Event()
 
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.retire(retire_req(["r-a1"], SHORT)))
+        await bounded(plane.retire(retire_req(["r-a1"], SHORT)))
     for key in ("r", "r-a1"):
         with pytest.raises(StaleAttempt):
             plane.marks.check(key)
@@ -1023,7 +1038,7 @@ async def test_retire_marks_before_its_deadline_limited_work(fake):
     await drain()
     assert not retry.done()
     fake.retire_gate.set()
-    reply = await wait(retry)
+    reply = await bounded(retry)
     assert reply.retired_count == 1
     assert fake.count("retire") == 1
     assert fake.retired == [["r-a1"]]
@@ -1035,7 +1050,7 @@ async def test_a_retire_past_its_deadline_on_arrival_still_marks(fake):
     plane = ControlPlane(fake)
     fake.retire_gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.retire(retire_req(["late-a3"], deadline_ts=1.0)))
+        await bounded(plane.retire(retire_req(["late-a3"], deadline_ts=1.0)))
     with pytest.raises(StaleAttempt):
         plane.marks.check("late-a2")
     fake.retire_gate.set()
@@ -1044,7 +1059,7 @@ async def test_a_retire_past_its_deadline_on_arrival_still_marks(fake):
 
 async def test_retire_marks_every_earlier_attempt_and_counts_rollouts(fake):
     plane = ControlPlane(fake)
-    reply = await wait(plane.retire(retire_req(["a", "a", "b-a2"])))
+    reply = await bounded(plane.retire(retire_req(["a", "a", "b-a2"])))
     assert reply.retired_count == 2
     for key in ("a", "b", "b-a1", "b-a2"):
         assert plane.marks.is_refused(key)
@@ -1057,34 +1072,34 @@ async def test_marks_survive_a_failed_retire(fake):
     plane = ControlPlane(fake)
     fake.fail_retire = RuntimeError("could not stop")
     with pytest.raises(RuntimeError):
-        await wait(plane.retire(retire_req(["r-a2"])))
+        await bounded(plane.retire(retire_req(["r-a2"])))
     for key in ("r", "r-a1", "r-a2"):
         with pytest.raises(StaleAttempt):
             plane.marks.check(key)
     assert plane.status().retired_rollouts == 1
 
     fake.fail_retire = None
-    assert (await wait(plane.retire(retire_req(["r-a2"])))).retired_count == 1
+    assert (await bounded(plane.retire(retire_req(["r-a2"])))).retired_count == 1
     assert fake.count("retire") == 2
     await plane.close()
 
 
 async def test_forget_removes_marks_and_counts_them(fake):
     plane = ControlPlane(fake)
-    await wait(plane.retire(retire_req(["a", "b-a2"])))
-    await wait(plane.retire(retire_req(["c"])))
-    await wait(plane.retire(retire_req(["c-a1"])))
+    await bounded(plane.retire(retire_req(["a", "b-a2"])))
+    await bounded(plane.retire(retire_req(["c"])))
+    await bounded(plane.retire(retire_req(["c-a1"])))
     assert plane.status().retired_rollouts == 3  # one entry per rollout
 
-    reply = await wait(plane.forget(forget_req(["a", "b", "never-retired", "a"])))
+    reply = await bounded(plane.forget(forget_req(["a", "b", "never-retired", "a"])))
     assert reply.forgotten_count == 2
     plane.marks.check("a")
     plane.marks.check("b-a2")
     with pytest.raises(StaleAttempt):
         plane.marks.check("c-a1")
     assert plane.status().retired_rollouts == 1
-    assert (await wait(plane.forget(forget_req(["a"])))).forgotten_count == 0
-    assert (await wait(plane.forget(forget_req(["c"])))).forgotten_count == 1
+    assert (await bounded(plane.forget(forget_req(["a"])))).forgotten_count == 0
+    assert (await bounded(plane.forget(forget_req(["c"])))).forgotten_count == 1
     assert plane.status().retired_rollouts == 0
     await plane.close()
 
@@ -1092,8 +1107,9 @@ async def test_forget_removes_marks_and_counts_them(fake):
 # --- restore (C10)
 
 
-async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_replaced(fake, tmp_path):
-    source = tmp_path / "source"
+@each_backend_and_s3
+async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_replaced(fake, storage):
+    source = storage.url("source")
     seed_checkpoint(
         source,
         "c0",
@@ -1103,9 +1119,10 @@ async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_r
             {"episode_id": "u", "state": {"of": "u"}},  # out of scope
         ],
         fake=fake,
+        storage_options=storage.storage_options,
     )
-    plane = ControlPlane(fake)  # a fresh process
-    reply = await wait(plane.restore(restore_req("c0", source, ["s-a1", "t", "r"])))
+    plane = ControlPlane(fake, **storage.plane_options)  # a fresh process
+    reply = await bounded(plane.restore(restore_req("c0", source, ["s-a1", "t", "r"])))
 
     assert reply == RestoreReply(phase=Phase.RESTORED, source_checkpoint_id="c0", restored=["r-a1", "s-a2", "t-a1"])
     assert fake.installed_scope == ["r-a1", "s-a2", "t-a1"]  # the whole scope, with or without a record
@@ -1125,11 +1142,11 @@ async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_r
         plane.marks.check(key)
     assert plane.status().retired_rollouts == 3
 
-    resumed = await wait(plane.resume(req("c0")))
+    resumed = await bounded(plane.resume(req("c0")))
     assert resumed.phase is Phase.IDLE
     assert fake.admission_open
     assert plane.marks.is_refused("s-a1")  # marks outlive the restore until forget
-    assert (await wait(plane.forget(forget_req(["r", "s", "t"])))).forgotten_count == 3
+    assert (await bounded(plane.forget(forget_req(["r", "s", "t"])))).forgotten_count == 3
     assert not plane.marks.is_refused("s-a1")
     await plane.close()
 
@@ -1137,10 +1154,10 @@ async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_r
 async def test_retire_and_forget_are_allowed_after_a_restore(fake, tmp_path):
     seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
     plane = ControlPlane(fake)
-    await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert plane.phase is Phase.RESTORED
-    assert (await wait(plane.retire(retire_req(["a-a1"])))).retired_count == 1
-    assert (await wait(plane.forget(forget_req(["a"])))).forgotten_count == 1
+    assert (await bounded(plane.retire(retire_req(["a-a1"])))).retired_count == 1
+    assert (await bounded(plane.forget(forget_req(["a"])))).forgotten_count == 1
     assert plane.phase is Phase.RESTORED
     await plane.close()
 
@@ -1151,10 +1168,10 @@ async def test_restore_is_refused_once_the_process_took_part_in_a_checkpoint(fak
     fake.start("z")
     await prepared(plane, "c1")
     with pytest.raises(InvalidPhase):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
-    await wait(plane.resume(req("c1")))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    await bounded(plane.resume(req("c1")))
     with pytest.raises(InvalidPhase):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert fake.count("install") == 0
     assert len(plane.marks) == 0
     assert fake.admission_open
@@ -1162,25 +1179,26 @@ async def test_restore_is_refused_once_the_process_took_part_in_a_checkpoint(fak
     await plane.close()
 
 
-async def test_a_restore_retried_with_its_arguments_replies_the_same_and_with_others_conflicts(fake, tmp_path):
+@each_backend
+async def test_a_restore_retried_with_its_arguments_replies_the_same_and_with_others_conflicts(fake, storage):
     for name in ("source", "other"):
         seed_checkpoint(
-            tmp_path / name,
+            storage.url(name),
             "c0",
             [{"episode_id": "a", "state": {}}, {"episode_id": "b", "state": {}}],
             fake=fake,
         )
-    plane = ControlPlane(fake)
-    first = await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a", "b"])))
-    again = await wait(plane.restore(restore_req("c0", tmp_path / "source", ["b", "a"])))
+    plane = ControlPlane(fake, **storage.plane_options)
+    first = await bounded(plane.restore(restore_req("c0", storage.url("source"), ["a", "b"])))
+    again = await bounded(plane.restore(restore_req("c0", storage.url("source"), ["b", "a"])))
     assert again == first
     for checkpoint_id, directory, scope in (
-        ("c0", tmp_path / "source", ["a"]),
-        ("c0", tmp_path / "other", ["a", "b"]),
-        ("c9", tmp_path / "source", ["a", "b"]),
+        ("c0", storage.url("source"), ["a"]),
+        ("c0", storage.url("other"), ["a", "b"]),
+        ("c9", storage.url("source"), ["a", "b"]),
     ):
         with pytest.raises(CheckpointConflict):
-            await wait(plane.restore(restore_req(checkpoint_id, directory, scope)))
+            await bounded(plane.restore(restore_req(checkpoint_id, directory, scope)))
     assert fake.count("install") == 1
     assert plane.phase is Phase.RESTORED
     await plane.close()
@@ -1191,13 +1209,13 @@ async def test_a_restore_retried_while_admission_is_closing_awaits_the_first(fak
     plane = ControlPlane(fake)
     fake.close_gate = asyncio.Event()
     first = asyncio.create_task(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
-    await wait(fake.started["close"].wait())
+    await bounded(fake.started["close"].wait())
 
     second = asyncio.create_task(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     await drain()
     fake.close_gate.set()
-    first_reply = await wait(first)
-    second_reply = await wait(second)  # the same restore: the same reply, not invalid_phase
+    first_reply = await bounded(first)
+    second_reply = await bounded(second)  # the same restore: the same reply, not invalid_phase
     assert second_reply == first_reply
     assert fake.count("install") == 1
     await plane.close()
@@ -1206,11 +1224,11 @@ async def test_a_restore_retried_while_admission_is_closing_awaits_the_first(fak
 async def test_prepare_while_a_restore_is_open_is_invalid_phase(fake, tmp_path):
     seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
     plane = ControlPlane(fake)
-    await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     with pytest.raises(InvalidPhase):
-        await wait(plane.prepare(req("c1")))
+        await bounded(plane.prepare(req("c1")))
     assert plane.phase is Phase.RESTORED
-    await wait(plane.resume(req("c0")))
+    await bounded(plane.resume(req("c0")))
     fake.start("b")
     await prepared(plane, "c1")
     await plane.close()
@@ -1223,7 +1241,7 @@ async def test_an_install_past_its_deadline_is_kept_and_retire_waits_for_it(fake
     plane = ControlPlane(fake)
     fake.install_gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a", "b"], SHORT)))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a", "b"], SHORT)))
     assert plane.phase is Phase.RESTORED
     assert fake.count("install") == 1
     assert plane.marks.is_refused("a")  # the replaced attempts are refused, also past the deadline
@@ -1239,8 +1257,8 @@ async def test_an_install_past_its_deadline_is_kept_and_retire_waits_for_it(fake
     assert not retry.done()
 
     fake.install_gate.set()
-    assert (await wait(retire)).retired_count == 1
-    assert (await wait(retry)).restored == ["a-a1", "b-a1"]
+    assert (await bounded(retire)).retired_count == 1
+    assert (await bounded(retry)).restored == ["a-a1", "b-a1"]
     names = fake.names()
     assert names.index("install_done") < names.index("retire")
     assert fake.count("install") == 1
@@ -1252,10 +1270,10 @@ async def test_resume_reopens_admission_only_after_an_install_that_outlived_its_
     plane = ControlPlane(fake)
     fake.install_gate = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"], SHORT)))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"], SHORT)))
 
     with pytest.raises(DeadlineExceeded):
-        await wait(plane.resume(req("c0", SHORT)))
+        await bounded(plane.resume(req("c0", SHORT)))
     assert plane.phase is Phase.RESTORED
     assert fake.count("open") == 0
 
@@ -1264,7 +1282,7 @@ async def test_resume_reopens_admission_only_after_an_install_that_outlived_its_
     assert not resume.done()
     assert fake.count("open") == 0
     fake.install_gate.set()
-    assert (await wait(resume)).phase is Phase.IDLE
+    assert (await bounded(resume)).phase is Phase.IDLE
     names = fake.names()
     assert names.index("install_done") < names.index("open")
     assert fake.admission_open
@@ -1276,7 +1294,7 @@ async def test_a_failed_install_reopens_admission_and_returns_to_idle(fake, tmp_
     plane = ControlPlane(fake)
     fake.fail_install = RuntimeError("install broke")
     with pytest.raises(InvalidCheckpointState, match=r"'a-a1'.*install broke") as raised:
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert isinstance(raised.value.__cause__, RuntimeError)  # a hook that raises is a 422 naming the episode
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
@@ -1285,7 +1303,7 @@ async def test_a_failed_install_reopens_admission_and_returns_to_idle(fake, tmp_
 
     # still a fresh process: the restore can run again
     fake.fail_install = None
-    reply = await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    reply = await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert reply.restored == ["a-a1"]
     assert fake.count("install") == 2
     await plane.close()
@@ -1295,7 +1313,7 @@ async def test_a_damaged_checkpoint_fails_the_restore_with_a_typed_error_and_reo
     plane = ControlPlane(fake)
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidCheckpointState):
-        await wait(plane.restore(restore_req("c0", tmp_path / "empty", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "empty", ["a"])))
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     assert fake.count("install") == 0
@@ -1307,7 +1325,7 @@ async def test_a_close_admission_failure_during_restore_reopens_admission(fake, 
     plane = ControlPlane(fake)
     fake.fail_close = RuntimeError("one worker did not close")
     with pytest.raises(RuntimeError):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert fake.admission_open
     assert plane.phase is Phase.IDLE
     assert fake.count("install") == 0
@@ -1320,11 +1338,11 @@ async def test_a_reopen_that_failed_in_a_restore_rollback_is_retried_by_resume(f
     fake.fail_close = RuntimeError("one worker did not close")
     fake.fail_open = RuntimeError("reopen failed too")
     with pytest.raises(RuntimeError):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert not fake.admission_open
 
     fake.fail_open = None
-    await wait(plane.resume(req("c0")))
+    await bounded(plane.resume(req("c0")))
     assert fake.admission_open
     await plane.close()
 
@@ -1357,11 +1375,11 @@ async def test_status_shape(fake):
         "checkpoint_verify": "wait",
     }
 
-    await wait(plane.retire(retire_req(["gone-a1"])))
+    await bounded(plane.retire(retire_req(["gone-a1"])))
     assert plane.status().retired_rollouts == 1
 
     request = req("c1", SHORT, clock=clock)
-    await wait(plane.prepare(request))
+    await bounded(plane.prepare(request))
     data = plane.status().model_dump(mode="json")
     assert data["phase"] == "preparing"
     assert data["checkpoint_id"] == "c1"
@@ -1404,12 +1422,12 @@ async def test_commit_outside_the_allowed_roots_is_refused_naming_the_setting(fa
     await prepared(plane)
     for directory in refused_dirs(tmp_path):
         with pytest.raises(CheckpointDirNotAllowed, match="allowed_roots") as caught:
-            await wait(plane.commit(commit_req("c1", directory, ["a"])))
+            await bounded(plane.commit(commit_req("c1", directory, ["a"])))
         assert caught.value.status == 403
     assert fake.count("export") == 0
     assert published(tmp_path) == []
 
-    reply = await wait(plane.commit(commit_req("c1", tmp_path / "allowed" / "ck", ["a"])))
+    reply = await bounded(plane.commit(commit_req("c1", tmp_path / "allowed" / "ck", ["a"])))
     assert reply.episode_ids == ["a"]
     assert read_back(tmp_path / "allowed" / "ck", fake)[0].record_count == 1
     await plane.close()
@@ -1420,7 +1438,7 @@ async def test_restore_outside_the_allowed_roots_is_refused_before_anything_chan
     plane = ControlPlane(fake, allowed_roots=roots)
     for directory in refused_dirs(tmp_path):
         with pytest.raises(CheckpointDirNotAllowed, match="allowed_roots"):
-            await wait(plane.restore(restore_req("c0", directory, ["a"])))
+            await bounded(plane.restore(restore_req("c0", directory, ["a"])))
     assert plane.phase is Phase.IDLE
     assert len(plane.marks) == 0
     assert fake.count("close") == 0
@@ -1464,12 +1482,12 @@ async def test_a_symlink_inside_an_allowed_root_pointing_outside_is_refused(fake
         f"file://{linked['allowed'] / 'escape' / 'ck'}",
     ):
         with pytest.raises(CheckpointDirNotAllowed, match="allowed_roots") as caught:
-            await wait(plane.commit(commit_req("c1", directory, ["a"])))
+            await bounded(plane.commit(commit_req("c1", directory, ["a"])))
         assert caught.value.status == 403
     assert fake.count("export") == 0
     assert published(linked["outside"]) == []
 
-    reply = await wait(plane.commit(commit_req("c1", linked["allowed"] / "sub" / "ck", ["a"])))
+    reply = await bounded(plane.commit(commit_req("c1", linked["allowed"] / "sub" / "ck", ["a"])))
     assert reply.episode_ids == ["a"]
     assert read_back(linked["allowed"] / "sub" / "ck", fake)[0].record_count == 1
     assert published(linked["outside"]) == []
@@ -1482,7 +1500,7 @@ async def test_a_root_given_through_a_symlink_allows_its_real_directory_and_the_
     plane = ControlPlane(fake, allowed_roots=[str(linked["alias"])])
     fake.start("a")
     await prepared(plane)
-    reply = await wait(plane.commit(commit_req("c1", linked["alias"] / "ck", ["a"])))
+    reply = await bounded(plane.commit(commit_req("c1", linked["alias"] / "ck", ["a"])))
     # the directory the check resolved is the one written, and the reply names it
     assert reply.checkpoint_dir == str(linked["allowed"].resolve() / "ck")
     assert read_back(linked["allowed"] / "ck", fake)[0].record_count == 1
@@ -1497,7 +1515,7 @@ async def test_a_restore_through_an_escaping_symlink_is_refused_before_anything_
     seed_checkpoint(linked["outside"], "c0", [{"episode_id": "a", "state": {}}], fake=fake)
     plane = ControlPlane(fake, allowed_roots=[str(linked["allowed"])])
     with pytest.raises(CheckpointDirNotAllowed, match="allowed_roots"):
-        await wait(plane.restore(restore_req("c0", linked["allowed"] / "escape", ["a"])))
+        await bounded(plane.restore(restore_req("c0", linked["allowed"] / "escape", ["a"])))
     assert plane.phase is Phase.IDLE
     assert len(plane.marks) == 0
     assert fake.count("install") == 0
@@ -1545,23 +1563,23 @@ async def test_every_commit_closes_the_store_it_opened_also_after_a_failed_store
     await prepared(plane)
 
     with pytest.raises(UnusableDirectory):
-        await wait(plane.commit(commit_req("c1", checkpoint, ["a"])))
+        await bounded(plane.commit(commit_req("c1", checkpoint, ["a"])))
     assert len(stores.opened) == 1
     assert stores.each_closed_once()
 
     (checkpoint / "gym").unlink()
-    reply = await wait(plane.commit(commit_req("c1", checkpoint, ["a"])))  # the retry opens a store of its own
+    reply = await bounded(plane.commit(commit_req("c1", checkpoint, ["a"])))  # the retry opens a store of its own
     assert reply.episode_ids == ["a"]
     assert len(stores.opened) == 2
     assert stores.opened[0] is not stores.opened[1]
     assert stores.each_closed_once()
 
-    await wait(plane.commit(commit_req("c1", checkpoint, ["a"])))  # a finished commit's result: no store
+    await bounded(plane.commit(commit_req("c1", checkpoint, ["a"])))  # a finished commit's result: no store
     assert len(stores.opened) == 2
-    await wait(plane.resume(req("c1")))
+    await bounded(plane.resume(req("c1")))
 
     await prepared(plane, "c2")
-    await wait(plane.commit(commit_req("c2", tmp_path / "ckpt2", ["a"])))
+    await bounded(plane.commit(commit_req("c2", tmp_path / "ckpt2", ["a"])))
     assert len(stores.opened) == 3
     assert stores.each_closed_once()
     await plane.close()
@@ -1574,7 +1592,7 @@ async def test_a_commit_whose_export_fails_closes_its_store(fake, ckpt_dir, monk
     fake.fail_export = RuntimeError("export broke")
     await prepared(plane)
     with pytest.raises(ExportFailed):
-        await wait(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
     assert len(stores.opened) == 1
     assert stores.each_closed_once()
     await plane.close()
@@ -1587,18 +1605,18 @@ async def test_every_restore_closes_the_store_it_opened_whether_it_succeeds_or_f
     plane = ControlPlane(fake)
 
     with pytest.raises(InvalidCheckpointState):  # nothing to read there
-        await wait(plane.restore(restore_req("c0", tmp_path / "empty", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "empty", ["a"])))
     assert len(stores.opened) == 1
     assert stores.each_closed_once()
 
     fake.fail_install = RuntimeError("install broke")
     with pytest.raises(InvalidCheckpointState):
-        await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert len(stores.opened) == 2
     assert stores.each_closed_once()
 
     fake.fail_install = None
-    reply = await wait(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    reply = await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
     assert reply.restored == ["a-a1"]
     assert len(stores.opened) == 3
     assert stores.each_closed_once()
@@ -1612,14 +1630,14 @@ async def test_a_shorter_lease_wakes_the_watcher_without_waiting_for_its_old_sle
     clock = FakeClock()
     plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
     fake.start("a")
-    await wait(plane.prepare(req("c1", 10.0, clock=clock)))
+    await bounded(plane.prepare(req("c1", 10.0, clock=clock)))
     assert plane.phase is Phase.PREPARED
     await drain()  # the watcher is asleep: its lease is 610 s away, so it waits LEASE_RETRY_SECONDS (30 s)
     assert not fake.admission_open
 
     # a renew with an earlier deadline: the lease is already over on the plane's clock
     shorter = ControlRequest(checkpoint_id="c1", deadline_ts=clock() - 600.0 - 1.0)
-    reply = await wait(plane.renew(shorter))
+    reply = await bounded(plane.renew(shorter))
     assert reply.lease_expires_at < clock()
     # the watcher resumes by itself, long before its 30 s sleep would have ended
     await asyncio.wait_for(fake.opened.wait(), 5.0)
@@ -1627,7 +1645,7 @@ async def test_a_shorter_lease_wakes_the_watcher_without_waiting_for_its_old_sle
     assert plane.phase is Phase.IDLE
     assert plane.lease_expires_at is None
     with pytest.raises(StaleCheckpoint):
-        await wait(plane.prepare(req("c1", clock=clock)))
+        await bounded(plane.prepare(req("c1", clock=clock)))
     await plane.close()
 
 
@@ -1636,9 +1654,9 @@ async def test_a_longer_lease_keeps_the_watcher_waiting(fake):
     plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
     fake.start("a")
     first = req("c1", 10.0, clock=clock)
-    await wait(plane.prepare(first))
+    await bounded(plane.prepare(first))
     await drain()
-    await wait(plane.renew(ControlRequest(checkpoint_id="c1", deadline_ts=first.deadline_ts + 60.0)))
+    await bounded(plane.renew(ControlRequest(checkpoint_id="c1", deadline_ts=first.deadline_ts + 60.0)))
     await drain()  # woken, the watcher recomputes and waits again
     assert plane.phase is Phase.PREPARED
     assert not fake.admission_open

@@ -28,8 +28,9 @@ from gymckpt import errors
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import CONTROL_PREFIX, install_control
 from gymckpt.store import open_store
+from gymckpt.testing.participant import FakeParticipant
 
-from .fake_participant import FakeParticipant
+from ..support import error_code
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -106,14 +107,6 @@ def call(client: TestClient, method: str, route: str, body: Any = None, **kwargs
     if body is not None and "content" not in kwargs:
         kwargs["json"] = body
     return client.post(url, **kwargs)
-
-
-def error_code(response: httpx.Response) -> str:
-    body = response.json()
-    assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"code", "detail"}, body
-    assert isinstance(body["error"]["detail"], str)
-    return body["error"]["code"]
 
 
 # --- authorization (C1)

@@ -61,6 +61,8 @@ from gymckpt.store import CheckpointStore, open_store, verify
 from gymckpt.store._local import LocalBackend
 from gymckpt.store.codec import encode_record, episode_id_of_line
 from gymckpt.store.manifest import Manifest
+from gymckpt.testing.participant import FakeParticipant, freed_by_retire
+from gymckpt.testing.time import FakeClock
 
 KIND = "environment"
 INSTANCE = "env-0"
@@ -153,103 +155,31 @@ def next_key(key: str) -> str:
 
 def drop_up_to(state: dict[str, Any], keys: list[str]) -> None:
     """What the participant's retire frees: each key's attempt and every earlier one of its rollout."""
-    limits: dict[str, int] = {}
-    for key in keys:
-        rollout, attempt = split_capture_key(key)
-        limits[rollout] = max(attempt, limits.get(rollout, -1))
-    for held in list(state):
-        rollout, attempt = split_capture_key(held)
-        if attempt <= limits.get(rollout, -1):
-            del state[held]
+    for held in freed_by_retire(list(state), keys):
+        del state[held]
 
 
-class FakeClock:
-    """Epoch seconds that run with real time from a fixed start, and jump when the machine says so."""
-
-    def __init__(self) -> None:
-        self.offset = 1_700_000_000.0 - time.monotonic()
-
-    def __call__(self) -> float:
-        return self.offset + time.monotonic()
-
-    def advance(self, seconds: float) -> None:
-        self.offset += seconds
+def machine_clock() -> FakeClock:
+    """Epoch seconds that run with real (monotonic) time from a fixed start, and jump when the machine says so."""
+    return FakeClock(1_700_000_000.0, source=time.monotonic)
 
 
-class MachineParticipant(Participant):
-    """Episodes keyed by capture key; steps replace a state (never mutate it), so a cut stays put."""
+class MachineParticipant(FakeParticipant):
+    """Episodes keyed by capture key; steps replace a state (never mutate it), so a cut stays put.
+
+    The model's participant: a retire frees each key's attempt and every earlier one of its
+    rollout (restarts among them too), and deleting restored episodes is a retire (the
+    interface's default).
+    """
+
+    delete_restored = Participant.delete_restored
 
     def __init__(self) -> None:
-        self.kind = KIND
-        self.instance = INSTANCE
-        self.state: dict[str, Any] = {}
-        self.busy: set[str] = set()
-        self.restart_keys: set[str] = set()
-        self.admission_open = True
-        self.listeners: list[Any] = []
-        self.export_gate: asyncio.Event | None = None
-        self.export_entered = asyncio.Event()
-        self.installed: list[dict[str, Any]] | None = None
-        self.installed_scope: list[str] | None = None
-        self.install_gate: asyncio.Event | None = None
-        self.install_entered = asyncio.Event()
-        self.retire_gate: asyncio.Event | None = None
-        self.retire_entered = asyncio.Event()
-        self.retire_calls: list[list[str]] = []
+        super().__init__(KIND, INSTANCE, frees_earlier_attempts=True)
 
-    def notify(self) -> None:
-        for listener in self.listeners:
-            listener()
-
-    async def close_admission(self, checkpoint_id: str) -> None:
-        self.admission_open = False
-
-    async def open_admission(self) -> None:
-        self.admission_open = True
-
-    def ready(self) -> bool:
-        return not self.busy
-
-    def blocker_count(self) -> int:
-        return len(self.busy)
-
-    def blockers(self, limit: int) -> list[str]:
-        return sorted(self.busy)[:limit]
-
-    def restarts(self) -> list[str]:
-        return sorted(self.restart_keys)
-
-    def counts(self) -> dict[str, int]:
-        return {"live": len(self.state), "busy": len(self.busy)}
-
-    def add_readiness_listener(self, callback: Any) -> None:
-        self.listeners.append(callback)
-
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
-        if self.export_gate is not None:
-            self.export_entered.set()
-            await self.export_gate.wait()
-        return [{"episode_id": key, "state": self.state[key]} for key in scope if key in self.state]
-
-    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Any = None) -> None:
-        if self.install_gate is not None:
-            self.install_entered.set()
-            await self.install_gate.wait()
-        self.installed = records
-        self.installed_scope = scope
-        for record in records:
-            self.state[record["episode_id"]] = record["state"]
-
-    async def retire(self, episode_ids: list[str]) -> None:
-        self.retire_calls.append(list(episode_ids))
-        if self.retire_gate is not None:
-            self.retire_entered.set()
-            await self.retire_gate.wait()
-        before = set(self.state)
-        drop_up_to(self.state, episode_ids)
-        for key in before - set(self.state):
-            self.busy.discard(key)
-            self.restart_keys.discard(key)
+    def free(self, key: str) -> None:
+        super().free(key)
+        self.restart_keys.discard(key)
 
 
 class WriteGate:
@@ -359,7 +289,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(_quiet_abandoned_failures)
         self.root = Path(_tmp_root())
-        self.clock = FakeClock()
+        self.clock = machine_clock()
         self.ids = 0
         self.salt = 0
         self.used_ids: list[str] = []
@@ -882,10 +812,10 @@ class CheckpointMachine(RuleBasedStateMachine):
         if mode == "held_export":
             gate = asyncio.Event()
             self.participant.export_gate = gate
-            self.participant.export_entered = asyncio.Event()
+            self.participant.started["export"] = asyncio.Event()
             request = request.model_copy(update={"deadline_ts": self.clock()})
             self.expect(self.attempt(self.plane.commit(request)), errors.DeadlineExceeded)
-            self.run(asyncio.wait_for(self.participant.export_entered.wait(), LONG))
+            self.run(asyncio.wait_for(self.participant.started["export"].wait(), LONG))
             commit["status"] = "export_pending"
             return
         self._take_cut(commit, scope)
@@ -1136,11 +1066,11 @@ class CheckpointMachine(RuleBasedStateMachine):
             # the participant's stop outlives the retire's deadline: the marks are there already
             # (C9: marked before any deadline-limited work, and kept by a failed retire)
             self.participant.retire_gate = gate = asyncio.Event()
-            self.participant.retire_entered = asyncio.Event()
+            self.participant.started["retire"] = asyncio.Event()
             before = dict(self.participant.state)
             late = request.model_copy(update={"deadline_ts": self.clock()})
             self.expect(self.attempt(self.plane.retire(late)), errors.DeadlineExceeded)
-            self.run(asyncio.wait_for(self.participant.retire_entered.wait(), LONG))
+            self.run(asyncio.wait_for(self.participant.started["retire"].wait(), LONG))
             for key in keys:
                 assert self.plane.marks.is_refused(key), key
             assert self.participant.state == before  # not stopped and freed yet
@@ -1253,11 +1183,11 @@ class CheckpointMachine(RuleBasedStateMachine):
             # the install outlives the restore's deadline: it is kept, and admission reopens
             # only once it finished (C10)
             self.participant.install_gate = gate = asyncio.Event()
-            self.participant.install_entered = asyncio.Event()
+            self.participant.started["install"] = asyncio.Event()
             late = request.model_copy(update={"deadline_ts": self.clock()})
             lease_from = late.deadline_ts  # the retry below finds the running restore: no new lease
             self.expect(self.attempt(self.plane.restore(late)), errors.DeadlineExceeded)
-            self.run(asyncio.wait_for(self.participant.install_entered.wait(), LONG))
+            self.run(asyncio.wait_for(self.participant.started["install"].wait(), LONG))
             assert self.plane.phase is Phase.RESTORED
             assert not self.participant.admission_open
             resume = ControlRequest(checkpoint_id=checkpoint_id, deadline_ts=self.deadline(0.05))
@@ -1268,10 +1198,10 @@ class CheckpointMachine(RuleBasedStateMachine):
             if early_retire := data.draw(st.booleans(), label="retire during the install"):
                 # a retire waits for the install (C10): out of time, it has marked but not stopped
                 keys = sorted(next_key(key) for key in args[1]) or ["r0"]
-                calls = len(self.participant.retire_calls)
+                calls = len(self.participant.arguments("retire"))
                 retire = RetireRequest(checkpoint_id="retire", deadline_ts=self.deadline(0.05), episode_ids=keys)
                 self.expect(self.attempt(self.plane.retire(retire)), errors.DeadlineExceeded)
-                assert len(self.participant.retire_calls) == calls, "the retire ran before the install finished"
+                assert len(self.participant.arguments("retire")) == calls, "the retire ran before the install finished"
                 for key in keys:
                     assert self.plane.marks.is_refused(key)
                     rollout, attempt = split_capture_key(key)
@@ -1461,13 +1391,13 @@ def test_a_retire_waits_for_an_install_that_outlived_its_restore() -> None:
         with contextlib.suppress(errors.DeadlineExceeded):
             _bounded(loop, plane.restore(restore))
             raise AssertionError("the restore should have outlived its deadline")
-        _bounded(loop, participant.install_entered.wait())
+        _bounded(loop, participant.started["install"].wait())
         retire = RetireRequest(checkpoint_id="c1", deadline_ts=time.time() + 0.05, episode_ids=["r0-a1"])
         with contextlib.suppress(errors.DeadlineExceeded):
             _bounded(loop, plane.retire(retire))
             raise AssertionError("the retire should have waited for the install past its deadline")
         assert plane.marks.is_refused("r0-a1")  # marked before any deadline-limited work (C9)
-        assert participant.retire_calls == [], "the retire stopped and freed before the install finished"
+        assert participant.arguments("retire") == [], "the retire stopped and freed before the install finished"
         gate.set()
         _bounded(loop, plane.restore(restore.model_copy(update={"deadline_ts": time.time() + 60})))
         assert "r0-a1" in participant.state

@@ -642,11 +642,18 @@ def e2e_stack(workdir: Path, *, references: Iterable[int], gate: bool = False, *
         runner.close()
 
 
-@pytest.fixture
-def e2e(stack: E2EStack) -> Iterator[E2EStack]:
-    """The module's stack with fresh Gym processes; open coordinators and stray tasks are closed after."""
+@contextlib.contextmanager
+def fresh(stack: E2EStack) -> Iterator[E2EStack]:
+    """``stack`` with fresh Gym processes; open coordinators and stray tasks are closed after."""
     stack.fresh()
     try:
         yield stack
     finally:
         stack.end_test()
+
+
+@pytest.fixture
+def e2e(stack: E2EStack) -> Iterator[E2EStack]:
+    """The module's stack with fresh Gym processes; open coordinators and stray tasks are closed after."""
+    with fresh(stack) as running:
+        yield running

@@ -16,7 +16,8 @@ import pytest
 
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.stack.harness import RolloutHarness, default_stack_spec, task_for
-from tests.e2e.conftest import TOKEN, TOKEN_DELAY, WAIT, E2EStack, calls_of, e2e_stack, key_of, next_key
+
+from .conftest import TOKEN, TOKEN_DELAY, WAIT, E2EStack, calls_of, e2e_stack, key_of, next_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

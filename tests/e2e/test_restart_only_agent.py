@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.e2e.conftest import WAIT, E2EStack, calls_of, e2e_stack, next_key
+from .conftest import WAIT, E2EStack, calls_of, e2e_stack, next_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.e2e.conftest import WAIT, E2EStack, calls_of, e2e_stack, next_key
+from .conftest import WAIT, E2EStack, calls_of, e2e_stack, fresh, next_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -38,20 +38,14 @@ def weather_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EStack
 
 @pytest.fixture
 def counter(counter_stack: E2EStack) -> Iterator[E2EStack]:
-    counter_stack.fresh()
-    try:
-        yield counter_stack
-    finally:
-        counter_stack.end_test()
+    with fresh(counter_stack) as running:
+        yield running
 
 
 @pytest.fixture
 def weather(weather_stack: E2EStack) -> Iterator[E2EStack]:
-    weather_stack.fresh()
-    try:
-        yield weather_stack
-    finally:
-        weather_stack.end_test()
+    with fresh(weather_stack) as running:
+        yield running
 
 
 async def _blocked_prepare(e2e: E2EStack, checkpoint_id: str, blockers: list[str]) -> None:

@@ -8,10 +8,11 @@ holds, bounded by a timeout that only fires on a bug.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -19,9 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gymckpt.participants.steps import Episode, EpisodeEnded, EpisodeRegistry, EpisodeState, StepMode
+from gymckpt.testing.time import FakeClock, drain, run_bounded, until
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    pass
 
 WAIT = StepMode.WAIT
 REPLAY = StepMode.REPLAY
@@ -30,35 +32,17 @@ REPLAY = StepMode.REPLAY
 # ---------------------------------------------------------------- helpers
 
 
-def arun(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run one test coroutine on a fresh loop, failing instead of hanging on a bug."""
-    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+#: run one test coroutine on a fresh loop, failing instead of hanging on a bug
+arun = functools.partial(run_bounded, timeout=30)
+#: yield to the loop (``sleep(0)``) until ``condition()`` holds (the timeout only catches bugs)
+_until = functools.partial(until, timeout=5.0)
+#: let every task that can make progress do so (no time passes)
+_settle = functools.partial(drain, rounds=20)
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Yield to the loop until ``condition()`` holds (the timeout only catches bugs)."""
-
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0)
-
-    await asyncio.wait_for(poll(), timeout)
-
-
-async def _settle(rounds: int = 20) -> None:
-    """Let every task that can make progress do so (no time passes)."""
-    for _ in range(rounds):
-        await asyncio.sleep(0)
-
-
-class Clock:
-    """A manual monotonic clock."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+def manual_clock() -> FakeClock:
+    """A manual monotonic clock: it stands at 1000 s and moves only when the test moves it."""
+    return FakeClock(1000.0, source=None)
 
 
 class Gate:
@@ -135,10 +119,10 @@ def test_failed_step_keeps_the_boundary_before() -> None:
 
 def test_step_parks_while_closed_and_parked_time_is_not_charged() -> None:
     async def main() -> None:
-        clock = Clock()
+        clock = manual_clock()
         registry = EpisodeRegistry(now=clock)
         episode = registry.begin("r")
-        deadline = clock.t + 60
+        deadline = clock() + 60
         registry.close()
         gate = Gate(registry=registry)
         task = start(episode, WAIT, gate)
@@ -147,13 +131,13 @@ def test_step_parks_while_closed_and_parked_time_is_not_charged() -> None:
         assert registry.ready()
         assert registry.blocker_count() == 0
         assert registry.counts()["parked"] == 1
-        clock.t += 25
+        clock.advance(25)
         assert episode.parked_seconds == 25  # a park in progress counts
         assert episode.remaining(deadline) == 60
         registry.open()
         await asyncio.wait_for(gate.started.wait(), 5)
         assert not gate.started_while_closed
-        clock.t += 10
+        clock.advance(10)
         gate.release.set()
         assert await task == "result"
         assert episode.parked_seconds == 25
@@ -234,14 +218,14 @@ def test_replay_step_ending_while_open_records_at_once() -> None:
 
 def test_park_waits_at_the_current_boundary() -> None:
     async def main() -> None:
-        clock = Clock()
+        clock = manual_clock()
         registry = EpisodeRegistry(now=clock)
         episode = registry.begin("r")
         await episode.park()  # open: returns at once
         registry.close()
         parked = asyncio.ensure_future(episode.park())
         await _until(lambda: episode.state is EpisodeState.PARKED)
-        clock.t += 3
+        clock.advance(3)
         registry.open()
         await asyncio.wait_for(parked, 5)
         assert episode.parked_seconds == 3
@@ -387,7 +371,7 @@ def test_restart_never_blocks_is_never_exported_and_is_listed() -> None:
 
 def test_marking_a_restart_waits_while_closed() -> None:
     async def main() -> None:
-        clock = Clock()
+        clock = manual_clock()
         registry = EpisodeRegistry(now=clock)
         episode = registry.begin("r")
         registry.close()
@@ -397,7 +381,7 @@ def test_marking_a_restart_waits_while_closed() -> None:
         assert not episode.restart
         assert registry.restarts() == []
         assert registry.export(["r"]) == {"r": None}
-        clock.t += 7
+        clock.advance(7)
         # the same close, open, close race as for steps: the mark still waits
         registry.open()
         registry.close()

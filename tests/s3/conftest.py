@@ -1,33 +1,22 @@
-"""S3 fixtures: one moto server per session on 127.0.0.1 and a free port, reset before every test."""
+"""S3 fixtures: the session's moto server (``moto_endpoint``, tests/conftest.py), reset before every test."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from gymckpt.store._fsspec import FsspecBackend
-from gymckpt.testing.moto import DUMMY_KEY, DUMMY_SECRET, MotoEndpoint
+from gymckpt.testing.moto import DUMMY_KEY, DUMMY_SECRET
 
-sys.path.insert(0, str(Path(__file__).parent))  # fault_proxy, next to the tests
-
-from fault_proxy import FaultProxy
-from s3_support import BUCKET, FAST_OPTIONS
+from .fault_proxy import FaultProxy
+from .s3_support import BUCKET, FAST_OPTIONS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from pathlib import Path
 
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[MotoEndpoint]:
-    """moto's ThreadedMotoServer for the whole session, on 127.0.0.1, port 0."""
-    endpoint = MotoEndpoint("127.0.0.1", 0).start()
-    try:
-        yield endpoint
-    finally:
-        endpoint.stop()
+    from gymckpt.testing.moto import MotoEndpoint
 
 
 @pytest.fixture(autouse=True)

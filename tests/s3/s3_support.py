@@ -1,4 +1,4 @@
-"""Helpers shared by the S3 tests (imported by name: tests/s3 is on sys.path)."""
+"""Helpers shared by the S3 tests."""
 
 from __future__ import annotations
 

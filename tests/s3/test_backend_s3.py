@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import fsspec
 import pytest
-from s3_support import BUCKET, FAST_OPTIONS, all_keys, open_uploads
 
 from gymckpt import errors
 from gymckpt.store import CheckpointStore, WriteStop, open_store, verify
@@ -16,6 +15,8 @@ from gymckpt.store._fsspec import FsspecBackend
 from gymckpt.store._s3 import DEFAULT_BLOCK_SIZE
 from gymckpt.testing.backend_suite import BackendTests
 from gymckpt.testing.values import sample_records
+
+from .s3_support import BUCKET, FAST_OPTIONS, all_keys, open_uploads
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -272,7 +273,7 @@ def test_unreachable_endpoint_is_a_storage_error(s3_url: str) -> None:
 
 
 def test_access_denied_is_typed(s3: Any, s3_url: str, fault_proxy) -> None:
-    from fault_proxy import Fault
+    from .fault_proxy import Fault
 
     backend = FsspecBackend(s3_url, endpoint_url=fault_proxy.url, **FAST_OPTIONS)
     fault_proxy.add(Fault("PUT", action="status", status=403, times=100))

@@ -9,10 +9,11 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from s3_support import BUCKET
 
 from gymckpt.store import open_store
 from gymckpt.testing.values import sample_records
+
+from .s3_support import BUCKET
 
 if TYPE_CHECKING:
     from gymckpt.testing.moto import MotoEndpoint

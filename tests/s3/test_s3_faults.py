@@ -15,16 +15,17 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from fault_proxy import Fault
-from s3_support import BUCKET, all_keys, open_uploads
 
 from gymckpt import errors
 from gymckpt.store import open_store, verify
 
-if TYPE_CHECKING:
-    from fault_proxy import FaultProxy
+from .fault_proxy import Fault
+from .s3_support import BUCKET, all_keys, open_uploads
 
+if TYPE_CHECKING:
     from gymckpt.testing.moto import MotoEndpoint
+
+    from .fault_proxy import FaultProxy
 
 #: 5 MiB parts (S3's minimum) and bounded retries keep every case short
 OPTIONS: dict[str, Any] = {

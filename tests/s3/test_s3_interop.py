@@ -7,10 +7,10 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
-from s3_support import BUCKET, FAST_OPTIONS, all_keys
-
 from gymckpt.store import open_store, verify
 from gymckpt.testing.values import same_records, sample_records
+
+from .s3_support import BUCKET, FAST_OPTIONS, all_keys
 
 if TYPE_CHECKING:
     from pathlib import Path

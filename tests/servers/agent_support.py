@@ -9,9 +9,9 @@ and waits until the test sets ``release`` (thread events: the servers run their 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -19,16 +19,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gymckpt.servers.agent import AgentConfig, build_agent_app
 from gymckpt.servers.base import load_server_config
 from gymckpt.store import open_store
+from gymckpt.testing.net import serve
+from gymckpt.testing.time import run_bounded
+from gymckpt.testing.time import until as until_
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine, Iterator
+    from collections.abc import Callable, Iterator
 
     from gymckpt.participants.agent import AgentSessionParticipant, RestartOnlyAgentParticipant
     from gymckpt.servers.agent import SimpleAgent
@@ -39,9 +41,10 @@ TOKEN = "agent-test-token"
 TOOLS = [{"type": "function", "name": "increment"}]
 
 
-def arun(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run one test coroutine on a fresh loop, failing instead of hanging on a bug."""
-    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+#: run one test coroutine on a fresh loop, failing instead of hanging on a bug
+arun = functools.partial(run_bounded, timeout=60)
+#: let the loop run (real I/O included) until ``condition()`` holds; the timeout only catches bugs
+until = functools.partial(until_, timeout=WAIT, interval=0.001)
 
 
 async def wait_event(event: threading.Event, timeout: float = WAIT) -> None:
@@ -49,44 +52,8 @@ async def wait_event(event: threading.Event, timeout: float = WAIT) -> None:
     assert await asyncio.to_thread(event.wait, timeout), "the fake server never reached the held call"
 
 
-async def until(condition: Callable[[], bool], timeout: float = WAIT) -> None:
-    """Let the loop run (real I/O included) until ``condition()`` holds; the timeout only catches bugs."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.001)
-
-
-async def drain(rounds: int = 50) -> None:
-    """Let every ready task run until it blocks (no time passes)."""
-    for _ in range(rounds):
-        await asyncio.sleep(0)
-
-
 def digest(items: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(items, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` on 127.0.0.1 (a free port) in a thread; yield its base URL.
-
-    The socket listens before the thread starts, so connections queue until uvicorn
-    serves them: nothing needs to wait for its start.
-    """
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
 
 
 @dataclass
@@ -248,7 +215,10 @@ def fake_servers(tool_turns: int = 2) -> Iterator[Fakes]:
     """A fake model and a fake counter, served; every hold is released at the end."""
     model, resources = FakeModel(tool_turns), FakeResources()
     try:
-        with serve(model.app()) as model_url, serve(resources.app()) as resources_url:
+        with (
+            serve(model.app(), graceful_shutdown=5) as model_url,
+            serve(resources.app(), graceful_shutdown=5) as resources_url,
+        ):
             try:
                 yield Fakes(model, resources, model_url, resources_url)
             finally:
@@ -349,7 +319,3 @@ def records(checkpoint_dir: str, instance: str = "agent-0") -> dict[str, dict[st
 
 def user(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
-
-
-def error_code(response: httpx.Response) -> str:
-    return response.json()["error"]["code"]

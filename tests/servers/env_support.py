@@ -1,37 +1,17 @@
-"""Fake agent and resources servers for the environment tests, served by uvicorn in a thread."""
+"""Fake agent and resources servers for the environment tests, served by uvicorn in a thread
+(:func:`gymckpt.testing.net.serve`)."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` on 127.0.0.1 (a free port) in a thread; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)  # connections queue until uvicorn serves them: no need to wait for its start
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    pass
 
 
 class FakeDownstream:

@@ -10,22 +10,24 @@ is bounded by :data:`TIMEOUT`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import uvicorn
 
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.servers.inference import InferenceBackend, InferenceConfig, build_inference_app
 from gymckpt.servers.model import ModelServerConfig, build_model_app
+from gymckpt.testing.net import serve_in_loop
+from gymckpt.testing.time import bounded as bounded_
+from gymckpt.testing.time import run_bounded
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+    from collections.abc import AsyncIterator, Callable, Coroutine
 
     from fastapi import FastAPI
 
@@ -39,12 +41,11 @@ TOKEN = "model-token"
 
 def run(main: Callable[[], Coroutine[Any, Any, None]], timeout: float = 120.0) -> None:
     """Run an async test body in a fresh event loop, bounded."""
-    asyncio.run(asyncio.wait_for(main(), timeout))
+    run_bounded(main(), timeout)
 
 
-async def bounded(awaitable: Awaitable[Any], timeout: float = TIMEOUT) -> Any:
-    """Await ``awaitable`` for at most ``timeout`` seconds (a hang fails the test)."""
-    return await asyncio.wait_for(awaitable, timeout)
+#: await for at most :data:`TIMEOUT` seconds (a hang fails the test)
+bounded = functools.partial(bounded_, timeout=TIMEOUT)
 
 
 class _Changes:
@@ -114,29 +115,12 @@ class Inference:
 
 
 @asynccontextmanager
-async def serve_asgi(app: Any) -> AsyncIterator[str]:
-    """Serve ``app`` with uvicorn on 127.0.0.1 (a free port) in this event loop; yield its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)  # connections queue until uvicorn serves them: no need to wait for its start
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await bounded(task)
-        sock.close()
-
-
-@asynccontextmanager
 async def inference_server(token_delay_seconds: float = 0.0) -> AsyncIterator[Inference]:
     """The fake inference backend behind a gate, served in this event loop."""
     app = build_inference_app(InferenceConfig(token_delay_seconds=token_delay_seconds))
     gate = GenerateGate(app)
     try:
-        async with serve_asgi(gate) as url:
+        async with serve_in_loop(gate) as url:
             yield Inference(url, app.state.backend, gate)
     finally:
         gate.open()

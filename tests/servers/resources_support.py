@@ -10,6 +10,7 @@ synchronize: a test awaits events its server sets, or lets the event loop run
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,9 +28,12 @@ from gymckpt.participants.resources import (
     session_key,
 )
 from gymckpt.servers.base import ServerConfig, build_app, load_server_config
+from gymckpt.testing.time import bounded as bounded_
+from gymckpt.testing.time import run_bounded
+from gymckpt.testing.time import until as until_
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+    from collections.abc import AsyncIterator
 
     from fastapi import FastAPI
 
@@ -42,23 +46,12 @@ WAIT = 15.0
 TEST_TIMEOUT = 60.0
 
 
-def run(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a test coroutine in a fresh event loop, bounded by :data:`TEST_TIMEOUT`."""
-    return asyncio.run(asyncio.wait_for(coro, TEST_TIMEOUT))
-
-
-async def bounded(awaitable: Awaitable[Any], timeout: float = WAIT) -> Any:
-    """Await ``awaitable`` for at most ``timeout`` seconds."""
-    return await asyncio.wait_for(awaitable, timeout)
-
-
-async def until(condition: Callable[[], bool], rounds: int = 10_000) -> None:
-    """Let the event loop run until ``condition()`` holds (no time passes on purpose)."""
-    for _ in range(rounds):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
+#: run a test coroutine in a fresh event loop, bounded by :data:`TEST_TIMEOUT`
+run = functools.partial(run_bounded, timeout=TEST_TIMEOUT)
+#: await for at most :data:`WAIT` seconds
+bounded = functools.partial(bounded_, timeout=WAIT)
+#: let the event loop run until ``condition()`` holds (no time passes on purpose: at most 10 000 turns)
+until = functools.partial(until_, timeout=None, rounds=10_000)
 
 
 def config(cls: type[ServerConfig] = ServerConfig, *, enabled: bool = True, **fields: Any) -> Any:
@@ -125,11 +118,6 @@ class Control:
         assert committed.status_code == 200, committed.text
         await self.resume(checkpoint_id)
         return committed.json()
-
-
-def error_code(response: httpx.Response) -> str:
-    """The wire error code of an error reply."""
-    return response.json()["error"]["code"]
 
 
 class GateBody(BaseModel):

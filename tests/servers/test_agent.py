@@ -18,15 +18,15 @@ from gymckpt.participants.agent import (
     agent_participant,
     has_session_hooks,
 )
+from gymckpt.testing.time import drain
 
+from ..support import error_code
 from .agent_support import (
     TOOLS,
     AgentClient,
     Fakes,
     agent_config,
     arun,
-    drain,
-    error_code,
     fake_servers,
     records,
     until,

@@ -12,7 +12,8 @@ from gymckpt.servers.counter import CounterConfig, CounterServer, build_counter_
 from gymckpt.servers.weather import FORECAST_WORDS, WeatherConfig, build_weather_app, forecast
 from gymckpt.store import open_store
 
-from .resources_support import AUTH, CONTROL, Control, Gates, bounded, client, config, error_code, rp, run, until
+from ..support import error_code
+from .resources_support import AUTH, CONTROL, Control, Gates, bounded, client, config, rp, run, until
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -13,7 +13,9 @@ import pytest
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.servers.environment import EnvironmentConfig, build_environment_app
 from gymckpt.store import open_store
-from tests.servers.env_support import FakeDownstream, serve
+from gymckpt.testing.net import serve
+
+from .env_support import FakeDownstream
 
 TOKEN = "env-token"
 TASK = {"task_id": {"taskset": "demo", "task_id": "t1"}, "task_input": {"prompt": "count"}}

@@ -10,7 +10,8 @@ import httpx
 
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.servers.inference import InferenceConfig, build_inference_app, generate_tokens, token_text
-from tests.servers.model_support import bounded, inference_server, run
+
+from .model_support import bounded, inference_server, run
 
 
 def _client(token_delay_seconds: float = 0.0, **config: object) -> httpx.AsyncClient:

@@ -15,7 +15,9 @@ from gymckpt.identity import EpisodeId
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.servers.inference import generate_tokens
 from gymckpt.store import open_store
-from tests.servers.model_support import (
+
+from ..support import error_code
+from .model_support import (
     TIMEOUT,
     TOKEN,
     AsgiCall,
@@ -61,10 +63,6 @@ async def _conversation(model: Model, key: str | None, *, tools: list[dict[str, 
             return replies
         items = [*items, item, _tool_result(item)]
     raise AssertionError("the policy never answered a final message")
-
-
-def _error_code(response: Any) -> str:
-    return response.json()["error"]["code"]  # type: ignore[no-any-return]
 
 
 def test_the_policy_is_deterministic_tool_calls_then_a_final_message() -> None:
@@ -256,7 +254,7 @@ def test_retire_stops_a_call_in_flight_and_refuses_the_attempt_until_forgotten()
             assert retired.json() == {"retired_count": 1}
             response = await bounded(doomed)
             assert response.status_code == 409
-            assert _error_code(response) == "stale_attempt"
+            assert error_code(response) == "stale_attempt"
             assert participant.calls_of("r") == []
             assert not other.done()
 
@@ -267,7 +265,7 @@ def test_retire_stops_a_call_in_flight_and_refuses_the_attempt_until_forgotten()
             assert [c["call_id"] for c in inference.backend.calls] == ["q:0"]
 
             later = await model.respond("r", REQUEST)
-            assert (later.status_code, _error_code(later)) == (409, "stale_attempt")
+            assert (later.status_code, error_code(later)) == (409, "stale_attempt")
             assert (await model.respond("r-a1", REQUEST)).status_code == 200  # the next attempt runs
             assert (await model.control("forget", checkpoint_id="fgt-1", rollout_ids=["r"])).json() == {
                 "forgotten_count": 1
@@ -308,11 +306,11 @@ def test_retire_cancels_and_frees_held_and_waiting_calls(tmp_path: Path) -> None
                 assert retired.json() == {"retired_count": 1}
                 for task in (held, waiting):
                     response = await bounded(task)
-                    assert (response.status_code, _error_code(response)) == (409, "stale_attempt")
+                    assert (response.status_code, error_code(response)) == (409, "stale_attempt")
                 assert participant.calls_of("h") == participant.calls_of("h-a1") == []
                 assert participant.counts() == {"waiting": 1, "in_flight": 0, "held": 0, "streaming": 0}
                 later = await model.respond("h-a1", REQUEST)
-                assert (later.status_code, _error_code(later)) == (409, "stale_attempt")
+                assert (later.status_code, error_code(later)) == (409, "stale_attempt")
 
                 assert (await model.control("resume", checkpoint_id="c0")).status_code == 200
                 assert (await bounded(survivor)).status_code == 200
@@ -326,7 +324,7 @@ def test_a_call_without_a_rollout_prefix_is_refused_with_checkpointing_on() -> N
         async with inference_server() as inference, model_server(inference.url) as model:
             response = await model.respond(None, REQUEST)
             assert response.status_code == 400
-            assert _error_code(response) == "rollout_id_required"
+            assert error_code(response) == "rollout_id_required"
             assert model.participant.counts() == {"waiting": 0, "in_flight": 0, "held": 0, "streaming": 0}
             assert inference.gate.arrivals == 0
 
@@ -360,7 +358,7 @@ def test_an_unreachable_backend_is_a_502() -> None:
             url = inference.url
         async with model_server(url) as model:  # the backend is gone
             response = await model.respond("r", REQUEST)
-            assert (response.status_code, _error_code(response)) == (502, "inference_failed")
+            assert (response.status_code, error_code(response)) == (502, "inference_failed")
             assert model.participant.counts()["in_flight"] == 0
 
     run(main)

@@ -10,6 +10,7 @@ import pytest
 from gymckpt.participants.resources import CheckpointedResources, ResourcesParticipant
 from gymckpt.store import open_store
 
+from ..support import error_code
 from .resources_support import (
     AUTH,
     CONTROL,
@@ -17,7 +18,6 @@ from .resources_support import (
     bounded,
     build_gated_app,
     client,
-    error_code,
     gated_server,
     rp,
     run,

@@ -7,7 +7,6 @@ and restored through the HTTP control route of the real reference server apps.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
@@ -22,7 +21,7 @@ from gymckpt.servers.environment import EnvironmentConfig, build_environment_app
 from gymckpt.servers.weather import WeatherConfig, build_weather_app
 from gymckpt.store import open_store
 
-from .resources_support import AUTH, CONTROL, bounded, client, config, run
+from .resources_support import AUTH, CONTROL, Control, bounded, client, config, run
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,18 +39,11 @@ def write(directory: Path | str, kind: str, instance: str, records: list[dict[st
 
 
 async def restore(http: Any, directory: str, scope: list[str], checkpoint_id: str = "restore-1") -> Any:
-    body = {
-        "checkpoint_id": checkpoint_id,
-        "deadline_ts": time.time() + 30,
-        "checkpoint_dir": directory,
-        "episode_ids": scope,
-    }
-    return await bounded(http.post(f"{CONTROL}/restore", json=body, headers=AUTH))
+    return await Control(http).call("restore", checkpoint_id, 30, checkpoint_dir=directory, episode_ids=scope)
 
 
 async def control(http: Any, name: str, checkpoint_id: str) -> Any:
-    body = {"checkpoint_id": checkpoint_id, "deadline_ts": time.time() + 30}
-    return await bounded(http.post(f"{CONTROL}/{name}", json=body, headers=AUTH))
+    return await Control(http).call(name, checkpoint_id, 30)
 
 
 def counter_app() -> FastAPI:

@@ -9,7 +9,9 @@ import aiohttp
 import pytest
 
 from gymckpt.stack import load_stack
-from tests.servers.env_support import FakeDownstream, serve
+from gymckpt.testing.net import serve
+
+from .env_support import FakeDownstream
 
 TASK = {"task_id": {"taskset": "demo", "task_id": "t1"}, "task_input": {"prompt": "count"}}
 

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,19 +24,14 @@ from fastapi.testclient import TestClient
 
 from gymckpt.participants.install import SeveralWorkersError, uvicorn_worker_count
 from gymckpt.servers.counter import CounterConfig, build_counter_app
+from gymckpt.testing.net import free_port
 
+from ..support import kill_group, start_uvicorn
 from .resources_support import config
 
-REPO = Path(__file__).resolve().parents[2]
 #: the bound of a server's start (or of its refusal to start), in seconds
 START_BOUND = 60.0
 MESSAGE = "checkpointing supports one worker per server today"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Uvicorn:
@@ -53,14 +45,10 @@ class Uvicorn:
             GYMCKPT_SERVER_KIND="counter",
             GYMCKPT_CHECKPOINT__ENABLED="true",
             GYMCKPT_CHECKPOINT__CONTROL_AUTH_TOKEN="workers-test-token",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
         )
         with log.open("wb") as out:
-            self.process = subprocess.Popen(
+            self.process = start_uvicorn(
                 [
-                    sys.executable,
-                    "-m",
-                    "uvicorn",
                     "--factory",
                     "gymckpt.stack:app_from_env",
                     "--workers",
@@ -70,12 +58,9 @@ class Uvicorn:
                     "--port",
                     str(self.port),
                 ],
-                cwd=REPO,
                 env=env,
-                stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
             )
 
     def output(self) -> str:
@@ -96,12 +81,7 @@ class Uvicorn:
         return True
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait(timeout=30)
+        kill_group(self.process, timeout=30)
 
 
 @pytest.fixture
