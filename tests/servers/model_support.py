@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from gymckpt.control.routes import CONTROL_PREFIX
+from gymckpt.participants.signal import ChangeSignal
 from gymckpt.servers.inference import InferenceBackend, InferenceConfig, build_inference_app
 from gymckpt.servers.model import ModelServerConfig, build_model_app
 from gymckpt.testing.net import serve_in_loop
@@ -48,28 +49,6 @@ def run(main: Callable[[], Coroutine[Any, Any, None]], timeout: float = 120.0) -
 bounded = functools.partial(bounded_, timeout=TIMEOUT)
 
 
-class _Changes:
-    """Futures woken on every change, for waits on a condition without polling."""
-
-    def __init__(self) -> None:
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def changed(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def until(self, predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-        async def check() -> None:
-            while not predicate():
-                waiter = asyncio.get_running_loop().create_future()
-                self._waiters.append(waiter)
-                await waiter
-
-        await asyncio.wait_for(check(), timeout)
-
-
 class GenerateGate:
     """An ASGI wrapper: ``/generate`` requests wait here while the gate is closed."""
 
@@ -79,7 +58,7 @@ class GenerateGate:
         self.finished = 0
         self.is_open = asyncio.Event()
         self.is_open.set()
-        self._changes = _Changes()
+        self._changes = ChangeSignal()
 
     def close(self) -> None:
         self.is_open.clear()
@@ -89,7 +68,7 @@ class GenerateGate:
 
     async def until(self, predicate: Callable[[GenerateGate], bool], timeout: float = TIMEOUT) -> None:
         """Wait until ``predicate(self)`` holds (re-checked on every arrival and finish)."""
-        await self._changes.until(lambda: predicate(self), timeout)
+        await self._changes.wait_until(lambda: predicate(self), timeout)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != "/generate":
