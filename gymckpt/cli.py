@@ -23,7 +23,7 @@ from gymckpt.errors import GymckptError, InvalidCheckpointState, UnusableDirecto
 from gymckpt.stack import KINDS, build_server, load_stack
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
-from gymckpt.store.layout import check_name
+from gymckpt.store.layout import check_readable_name
 from gymckpt.store.listing import list_checkpoints, participant_rows
 from gymckpt.store.verify import NoCheckpointFound, Severity, verify
 
@@ -232,9 +232,10 @@ def _print_report(report: VerifyReport) -> None:
                 f"{finding.severity}\t{finding.code}\t{finding.participant or '-'}\t{finding.path}\t{finding.detail}{fix}"
             )
     mode = "sizes only (--quick)" if report.quick else f"{report.records_checked} records re-read and hashed"
+    formats = report.format_summary()
     _plain(
-        f"{len(report.checkpoints)} checkpoint(s), {len(report.participants)} participant(s), "
-        f"{_human(report.bytes_checked)} checked, {mode}: "
+        f"{len(report.checkpoints)} checkpoint(s), {len(report.participants)} participant(s)"
+        f"{f' ({formats})' if formats else ''}, {_human(report.bytes_checked)} checked, {mode}: "
         f"{len(report.errors)} error(s), {len(report.warnings)} warning(s)"
     )
     if report.ok:
@@ -319,11 +320,15 @@ def inspect_command(
             if "damaged" in row:
                 _plain(f"{row['checkpoint'] or '.'}\t{row['participant']}\tdamaged\t{row['damaged']}")
             else:
+                episodes = row["episode_ids"]
+                listed = (
+                    "not listed" if episodes is None else ",".join(episodes[:20]) + (",…" if len(episodes) > 20 else "")
+                )
+                size = "size not claimed" if row["records_bytes"] is None else f"{row['records_bytes']} bytes"
                 _plain(
                     f"{row['checkpoint'] or '.'}\t{row['participant']}\t{row['checkpoint_id']}\t"
-                    f"{row['record_count']} records\t{row['records_bytes']} bytes\t"
-                    f"episodes {','.join(row['episode_ids'][:20])}{',…' if len(row['episode_ids']) > 20 else ''}\t"
-                    f"extra {','.join(row['extra'])}"
+                    f"{row['record_count']} records\t{size}\tepisodes {listed}\t"
+                    f"extra {','.join(row['extra'])}\t{row['format']} format"
                 )
         return
     table = Table(title=Text(f"Checkpoints under {url}"))
@@ -342,13 +347,16 @@ def inspect_command(
                 Text(row["damaged"]),
             )
             continue
-        shown = ", ".join(row["episode_ids"][:3]) + (" …" if len(row["episode_ids"]) > 3 else "")
+        episodes = row["episode_ids"]
+        shown = (
+            "(reference format)" if episodes is None else ", ".join(episodes[:3]) + (" …" if len(episodes) > 3 else "")
+        )
         table.add_row(
             Text(row["checkpoint"] or "."),
             Text(row["participant"]),
             Text(row["checkpoint_id"]),
             str(row["record_count"]),
-            _human(row["records_bytes"]),
+            "?" if row["records_bytes"] is None else _human(row["records_bytes"]),
             Text(shown),
             Text(", ".join(row["extra"])),
         )
@@ -358,8 +366,8 @@ def inspect_command(
 def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episodes: tuple[str, ...]) -> None:
     kind, sep, instance = dump.partition("/")
     try:
-        check_name("kind", kind)
-        check_name("instance", instance)
+        check_readable_name("kind", kind)
+        check_readable_name("instance", instance)
     except ValueError:
         _fail(f"--dump expects KIND/INSTANCE, e.g. environment/env-0; got {dump!r}")
     if not sep:

@@ -20,13 +20,14 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── NoCheckpointFound (FileNotFoundError)    404 checkpoint_not_found: nothing under a URL is a checkpoint
     ├── InvalidRequest (ValueError)              422 invalid_request: a body or parameter the routes refuse
     ├── ServerCallFailed                         502 server_unreachable: a control call got no typed reply
+    ├── CoordinationError                        a fan-out that failed on some servers (controller side, never on the wire)
     ├── DownstreamError                          502 downstream_error: a server this one calls answered an error
     │   └── InferenceFailed                      502 inference_failed: the policy model's backend failed
     ├── ClientDisconnected                       499 client_disconnected: nobody reads the reply any more
     ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, network)
     │   └── UnsupportedStorage                   a backend lacks a capability the store needs
     ├── WriteStopped                             a write was stopped before it published
-    ├── ControlError                             control-plane refusals, each with its wire code
+    ├── ControlError                             409 checkpoint_error: control-plane refusals, each with its wire code
     │   ├── StaleCheckpoint                      409 stale_checkpoint: a resumed checkpoint's late call
     │   ├── CheckpointConflict                   409 checkpoint_conflict: another id open, other args
     │   │   └── ManifestConflict (FileExistsError) another manifest is already published there
@@ -35,7 +36,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     │   ├── StaleAttempt                         409 stale_attempt: a retired attempt's request
     │   ├── RestartInScope                       409 restart_in_scope
     │   ├── ExportFailed                         409 export_failed: this checkpoint id is over
-    │   ├── AdmissionClosed                      409 admission_closed: new work while closed
+    │   ├── CheckpointParked                     409 checkpoint_parked: new work while a checkpoint is open
     │   ├── RolloutIdRequired                    400 rollout_id_required
     │   ├── InvalidRolloutId (ValueError)        400 invalid_rollout_id
     │   │   └── RolloutAttemptConflict           "<id>-aN" given with an attempt index
@@ -74,15 +75,16 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
 from __future__ import annotations
 
 __all__ = [
-    "AdmissionClosed",
     "AgentError",
     "AgentRequestError",
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
     "CheckpointIdMismatch",
     "CheckpointIndexInvalid",
+    "CheckpointParked",
     "ClientDisconnected",
     "ControlError",
+    "CoordinationError",
     "DeadlineExceeded",
     "DownstreamError",
     "DuplicateEpisode",
@@ -187,6 +189,20 @@ class ServerCallFailed(GymckptError):
     status = 502
 
 
+class CoordinationError(GymckptError):
+    """A coordinated operation failed on some servers: ``failures`` names each one and why.
+
+    ``causes`` keeps each server's exception (typed by its wire code where it sent one).
+    """
+
+    def __init__(self, operation: str, causes: dict[str, BaseException]) -> None:
+        self.operation = operation
+        self.causes = dict(sorted(causes.items()))
+        self.failures = {server: str(cause) or type(cause).__name__ for server, cause in self.causes.items()}
+        listed = "; ".join(f"{server}: {text}" for server, text in self.failures.items())
+        super().__init__(f"checkpoint {operation} failed on {len(self.failures)} participant(s): {listed}")
+
+
 class DownstreamError(GymckptError):
     """A server this one calls (a downstream: agent, model, resources) answered an error status."""
 
@@ -198,6 +214,19 @@ class DownstreamError(GymckptError):
         self.url = url
         self.downstream_status = downstream_status
         self.body = body
+
+    @property
+    def wire_code(self) -> str | None:
+        """The downstream's ``{"error": {"code"}}``, None when its body carries none."""
+        import json
+
+        try:
+            payload = json.loads(self.body)
+        except (ValueError, TypeError):
+            return None
+        error = payload.get("error") if isinstance(payload, dict) else None
+        code = error.get("code") if isinstance(error, dict) else None
+        return code if isinstance(code, str) else None
 
     @classmethod
     def answered(cls, url: str, downstream_status: int, body: bytes) -> DownstreamError:
@@ -255,7 +284,7 @@ class WriteStopped(GymckptError):
 class ControlError(GymckptError):
     """A control-plane refusal; ``code`` and ``status`` go on the wire."""
 
-    code = "control_error"
+    code = "checkpoint_error"
     status = 409
 
 
@@ -298,8 +327,10 @@ class ExportFailed(ControlError):
     code = "export_failed"
 
 
-class AdmissionClosed(ControlError):
-    code = "admission_closed"
+class CheckpointParked(ControlError):
+    """New work (an environment episode, an agent session) arriving while a checkpoint is open; retry it."""
+
+    code = "checkpoint_parked"
 
 
 class RolloutIdRequired(ControlError):
@@ -497,7 +528,7 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         StaleAttempt,
         RestartInScope,
         ExportFailed,
-        AdmissionClosed,
+        CheckpointParked,
         RolloutIdRequired,
         InvalidRolloutId,
         CheckpointDirNotAllowed,

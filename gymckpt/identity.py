@@ -6,17 +6,21 @@ therefore reserved: a rollout id never ends with it, and an explicit id that doe
 names attempt ``N`` of the rest of the id. This module is the one codec of capture keys:
 the control plane, its request models and the participants all parse them here.
 
-Decisions this module makes:
+Decisions this module makes (the reference stack's grammar, with two bounds of our own):
 
-- A rollout id is 1 to :data:`MAX_ROLLOUT_ID_LENGTH` characters, all printable, with no
-  whitespace and none of ``/ ? # % \\`` (capture keys travel in URL paths), is not
-  ``.`` or ``..`` (HTTP clients normalize dot segments), and does not end with ``-a``
-  followed by digits.
-- Attempts are plain ints from 0 to :data:`MAX_ATTEMPT`.
-- Only the canonical suffix is accepted: ``-a`` and a decimal number >= 1 without a
-  leading zero. ``r-a0`` (attempt 0 carries no suffix) and ``r-a01`` are refused, never
-  read as attempt 0 of a rollout called ``r-a0``. So every accepted capture key decodes
-  to exactly one :class:`EpisodeId`, whose ``capture_key`` is that key again.
+- A rollout id matches ``^[A-Za-z0-9][A-Za-z0-9._-]*$`` and does not end with the
+  reserved suffix ``-a<N>`` for ``N >= 1`` written without a leading zero
+  (``-a([1-9][0-9]*)$``). So ``x-a0`` and ``x-a01`` are rollout ids of their own (attempt
+  0, key ``x-a0``), exactly as in the reference, and every key decodes to one episode.
+- Bounds the reference does not set: a rollout id is at most
+  :data:`MAX_ROLLOUT_ID_LENGTH` characters and an attempt at most :data:`MAX_ATTEMPT`.
+  Capture keys travel in URL paths, log lines and per-rollout marks held for the life of
+  the process; an unbounded id lets one request grow all three.
+- Attempts are plain ints (not bools, not numeric strings).
+
+On the wire an episode is the reference's object ``{"rollout_id": str, "attempt": int}``
+or its capture-key string; :func:`episode_key` reads either, :meth:`EpisodeId.to_wire`
+writes the object.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ __all__ = [
     "EpisodeId",
     "capture_key",
     "default_rollout_id",
+    "episode_key",
+    "episode_object",
     "first_keys",
     "rollout_path",
     "split_capture_key",
@@ -53,11 +59,11 @@ MAX_ATTEMPT = 999_999_999
 #: model and resources calls of a rollout go to ``/ng-rollout/<capture key>/<path>``
 ROLLOUT_PREFIX = "/ng-rollout/"
 
-# ``-a`` and digits at the very end: the reserved attempt suffix (canonical or not)
-_SUFFIX = re.compile(r"-a([0-9]+)\Z")
+# the reserved attempt suffix at the very end: ``-a`` and a number >= 1 without a leading zero
+_SUFFIX = re.compile(r"-a([1-9][0-9]*)\Z")
 
-# characters a rollout id may not contain (besides non-printable ones)
-_FORBIDDEN = re.compile(r"[\s/?#%\\]")
+# the reference's rollout id grammar
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def validate_rollout_id(rollout_id: object) -> str:
@@ -68,12 +74,10 @@ def validate_rollout_id(rollout_id: object) -> str:
         raise InvalidRolloutId("a rollout id must not be empty")
     if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
         raise InvalidRolloutId(f"a rollout id is at most {MAX_ROLLOUT_ID_LENGTH} characters, got {len(rollout_id)}")
-    if not rollout_id.isprintable() or _FORBIDDEN.search(rollout_id):
+    if _ROLLOUT_ID.fullmatch(rollout_id) is None:
         raise InvalidRolloutId(
-            f"rollout id {rollout_id!r} contains whitespace, a non-printable character or one of / ? # % \\"
+            f"rollout id {rollout_id!r} must start with a letter or digit and hold only letters, digits, '.', '_' and '-'"
         )
-    if rollout_id in {".", ".."}:
-        raise InvalidRolloutId(f"rollout id {rollout_id!r} is a path dot segment")
     match = _SUFFIX.search(rollout_id)
     if match is not None:
         raise InvalidRolloutId(
@@ -91,10 +95,11 @@ def _validate_attempt(attempt: object, what: str = "attempt") -> int:
 
 
 def split_capture_key(key: str) -> tuple[str, int]:
-    """``"r"`` → ``("r", 0)``; ``"r-aN"`` → ``("r", N)`` for N ≥ 1; anything else is refused.
+    """``"r"`` → ``("r", 0)``; ``"r-aN"`` → ``("r", N)`` for N ≥ 1 (no leading zero); anything invalid is refused.
 
-    The rollout id is validated too (:func:`validate_rollout_id`); a non-canonical suffix
-    (``-a0``, ``-a01``) or an attempt beyond :data:`MAX_ATTEMPT` is :class:`InvalidRolloutId`.
+    ``"r-a0"`` and ``"r-a01"`` carry no attempt suffix: they are attempt 0 of the
+    rollouts so named. The rollout id is validated too (:func:`validate_rollout_id`); an
+    attempt beyond :data:`MAX_ATTEMPT` is :class:`InvalidRolloutId`.
     """
     if not isinstance(key, str):
         raise InvalidRolloutId(f"a capture key must be a string, not {type(key).__name__}")
@@ -104,10 +109,6 @@ def split_capture_key(key: str) -> tuple[str, int]:
     if match is None:
         return validate_rollout_id(key), 0
     digits = match.group(1)
-    if digits.startswith("0"):
-        raise InvalidRolloutId(
-            f"capture key {key!r} has a non-canonical attempt suffix: attempt 0 has no suffix, attempts no leading zeros"
-        )
     if len(digits) > len(str(MAX_ATTEMPT)) or int(digits) > MAX_ATTEMPT:
         raise InvalidRolloutId(f"capture key {key!r} names an attempt beyond {MAX_ATTEMPT}")
     return validate_rollout_id(key[: match.start()]), int(digits)
@@ -119,9 +120,37 @@ def capture_key(rollout_id: str, attempt: int) -> str:
 
 
 def validate_capture_key(key: object) -> str:
-    """Return ``key`` if it is a canonical capture key, else raise :class:`InvalidRolloutId`."""
+    """Return ``key`` if it is a valid capture key, else raise :class:`InvalidRolloutId`."""
     split_capture_key(key)  # type: ignore[arg-type]
     return key  # type: ignore[return-value]
+
+
+def episode_key(value: object) -> str:
+    """The capture key of a wire episode id: a capture-key string or ``{"rollout_id", "attempt"}``.
+
+    The object may hold only those two fields; ``attempt`` defaults to 0. Anything else is
+    :class:`InvalidRolloutId`.
+    """
+    if isinstance(value, str):
+        return validate_capture_key(value)
+    if isinstance(value, EpisodeId):
+        return value.capture_key
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"rollout_id", "attempt"})
+        if unknown:
+            raise InvalidRolloutId(f"an episode id object holds only rollout_id and attempt, not {unknown}")
+        if "rollout_id" not in value:
+            raise InvalidRolloutId("an episode id object needs a rollout_id")
+        return EpisodeId(value["rollout_id"], value.get("attempt", 0)).capture_key
+    raise InvalidRolloutId(
+        f"an episode id is a capture key or a {{rollout_id, attempt}} object, not {type(value).__name__}"
+    )
+
+
+def episode_object(key: str) -> dict[str, Any]:
+    """The reference's wire form of a capture key: ``{"rollout_id": ..., "attempt": ...}``."""
+    rollout_id, attempt = split_capture_key(key)
+    return {"rollout_id": rollout_id, "attempt": attempt}
 
 
 def first_keys(keys: list[str], limit: int = 5) -> str:
@@ -197,13 +226,17 @@ class EpisodeId:
     def __str__(self) -> str:
         return self.capture_key
 
+    def to_wire(self) -> dict[str, Any]:
+        """The reference's wire form: ``{"rollout_id": ..., "attempt": ...}``."""
+        return {"rollout_id": self.rollout_id, "attempt": self.attempt}
+
     def next_attempt(self) -> EpisodeId:
         """The attempt that replaces this one (the one a restore installs records under)."""
         return EpisodeId(self.rollout_id, self.attempt + 1)
 
     @classmethod
     def from_capture_key(cls, key: object) -> EpisodeId:
-        """Decode a capture key; a key with a non-canonical suffix (``r-a0``, ``r-a01``) is refused."""
+        """Decode a capture key (``r-a0`` and ``r-a01`` are attempt 0 of rollouts so named)."""
         rollout_id, attempt = split_capture_key(key)  # type: ignore[arg-type]
         return cls(rollout_id, attempt)
 

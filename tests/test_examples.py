@@ -74,9 +74,10 @@ def committed(directory: str, manifest: str, episodes: list[str]) -> Check:
     """A commit reply naming its manifest, and that manifest on disk agreeing with it."""
 
     def check(result: Result, ws: Workspace) -> None:
-        ok(phase="committed", manifest=manifest, record_count=len(episodes), episode_ids=episodes)(result, ws)
+        ok(phase="committed", manifest_path=manifest, record_count=len(episodes), episode_ids=episodes)(result, ws)
         assert result.body["checkpoint_dir"] == str((ws.root / directory).resolve())
         on_disk = json.loads((ws.root / directory / manifest).read_text())
+        assert result.body["manifest"] == on_disk
         assert on_disk["episode_ids"] == episodes
         assert on_disk["records_sha256"] in result.body["records_file"]
         assert (ws.root / directory / manifest).parent.joinpath(result.body["records_file"]).is_file()
@@ -113,17 +114,17 @@ def server(result: Result, ws: Workspace) -> None:
 EXPECTED: list[tuple[str, Check]] = [
     ("uvicorn examples.tool_server:app --port 8001", server),
     ("localhost:8001/health", ok(status="ok")),
-    ("$CTL/status", status_of("resources", "notes-0", checkpoint_mode="exported", checkpoint_verify="wait")),
+    ("$CTL/status", status_of("resources", "notes-0", mode="exported", verify="wait")),
     ("/ng-rollout/task-7/seed_session", ok(session="task-7")),
     ("/ng-rollout/task-7/add_note", ok(notes=[{"text": "buy milk"}])),
     ("localhost:8001/add_note", error(400, "rollout_id_required")),
     ("$CTL/prepare", prepared),
     ("$CTL/commit", committed("checkpoints/notes-1", "gym/resources/notes-0/manifest.json", ["task-7"])),
-    ("$CTL/resume", ok(phase="idle", checkpoint_id="notes-1")),
+    ("$CTL/resume", ok(phase="idle", idempotent=False, checkpoint_id="notes-1")),
     ("gymckpt verify ./checkpoints/notes-1", verified),
     ("uvicorn examples.tool_server:app --port 8001", server),  # the crash: a fresh process
     ("$CTL/restore", ok(phase="restored", source_checkpoint_id="notes-1", restored=["task-7-a1"])),
-    ("$CTL/resume", ok(phase="idle", checkpoint_id="notes-1")),
+    ("$CTL/resume", ok(phase="idle", idempotent=False, checkpoint_id="notes-1")),
     ("/ng-rollout/task-7-a1/add_note", ok(notes=[{"text": "buy milk"}, {"text": "call mom"}])),
     ("/ng-rollout/task-7/add_note", error(409, "stale_attempt")),
     ("/ng-rollout/task-7-a1/verify", ok(reward=1.0)),

@@ -1,44 +1,118 @@
 """The controller's side: drive every server's control plane in the right order.
 
-Order: prepare environment → model → agent → resources; resume in reverse; commit
-everywhere at once; restore all or nothing; retire and forget callers before callees
-(environment, then agent, then model and resources); renew everyone. Control calls use
-their own aiohttp connection pool, so data calls that hold every connection (parked
-``/run`` calls) cannot starve them, and each fan-out body is encoded once.
+Order: prepare environment → model → agent → resources, stopping at the first stage that
+is not prepared (the later stages are never called, so their admission stays open);
+resume in reverse; commit everywhere at once; restore all or nothing; retire and forget
+callers before callees (environment, then agent, then model and resources); renew
+everyone. Control calls use their own aiohttp connection pool, so data calls that hold
+every connection (parked ``/run`` calls) cannot starve them, and each operation's body is
+encoded once.
+
+On the wire the Coordinator speaks the reference stack's shapes: episode ids go out as
+``{"rollout_id", "attempt"}`` objects, forget sends plain rollout ids, commit sends
+``stop``. It reads both gymckpt's and the reference's replies: a commit reply whose
+``manifest`` is the manifest object (with or without gymckpt's extra keys), retire and
+forget counts or lists, errors in the ``{"error": {"code", "detail"}}`` envelope or
+FastAPI's bare ``{"detail": [...]}`` 422.
+
+Every fan-out that fails on some servers raises one :class:`~gymckpt.errors.CoordinationError`
+naming each of them; its ``causes`` hold the typed per-server errors (the class of each
+server's wire code, with ``server``, ``wire_code`` and ``http_status`` attributes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import aiohttp
 import orjson
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
 from gymckpt import errors
-from gymckpt.control.models import CommitReply, PrepareReply, RestoreReply
+from gymckpt.control.models import Phase, PrepareReply
 from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.identity import capture_key, split_capture_key
+from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
+from gymckpt.identity import EpisodeId, episode_key, episode_object
 from gymckpt.store import open_store
+from gymckpt.store.codec import decode_document
+from gymckpt.store.layout import MANIFEST_NAME
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
 __all__ = [
+    "DEFAULT_PROBE_BACKOFF",
+    "DEFAULT_PROBE_TIMEOUT",
     "KIND_ORDER",
+    "NO_POLICY_MODEL",
     "Coordinator",
     "DiscoverResult",
+    "ParticipantCommit",
     "ParticipantInfo",
+    "ParticipantRestore",
     "PrepareResult",
     "runs_to_await",
 ]
+
+logger = logging.getLogger(__name__)
 
 KIND_ORDER = ("environment", "model", "agent", "resources")
 _RETIRE_GROUPS = (("environment",), ("agent",), ("model", "resources"))
 #: extra seconds a call may take past its deadline so the server's own deadline reply arrives
 _REPLY_SLACK = 5.0
+#: bound of one server's whole discover probe (every try and pause), as in the reference stack
+DEFAULT_PROBE_TIMEOUT = 60.0
+#: the first pause between discover tries after a connection error; it doubles up to the cap
+DEFAULT_PROBE_BACKOFF = 0.5
+DEFAULT_PROBE_BACKOFF_MAX = 5.0
+#: the problem discover reports under the key ``"deployment"`` when no model participant answered
+NO_POLICY_MODEL = "no policy model takes part in checkpoints"
+_DEPLOYMENT = "deployment"
+#: the reference stack's names of the control pool sizes: top-level keys of its global config
+_REFERENCE_POOL_KEYS = {
+    "global_aiohttp_control_connector_limit": "connector_limit",
+    "global_aiohttp_control_connector_limit_per_host": "connector_limit_per_host",
+}
+
+T = TypeVar("T")
+#: an episode id as callers give it: a capture key, an :class:`EpisodeId`, or ``{"rollout_id", "attempt"}``
+EpisodeLike = str | EpisodeId | Mapping[str, Any]
+
+
+# --- episode ids
+
+
+def _key_of(episode: object) -> str:
+    """The capture key of an episode id a caller gave (validated)."""
+    if isinstance(episode, Mapping) and not isinstance(episode, dict):
+        episode = dict(episode)
+    return episode_key(episode)
+
+
+def _scope_keys(episode_ids: Iterable[EpisodeLike]) -> list[str]:
+    """Sorted, de-duplicated capture keys."""
+    return sorted({_key_of(episode) for episode in episode_ids})
+
+
+def _reply_key(value: object) -> object:
+    """A key in a reply: servers send capture keys; an object is read as one too."""
+    return episode_key(value) if isinstance(value, dict) else value
+
+
+ReplyKey = Annotated[str, BeforeValidator(_reply_key)]
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    """A request body, encoded once for every server of an operation."""
+    return orjson.dumps(body)
+
+
+# --- results
 
 
 @dataclass(frozen=True)
@@ -52,39 +126,126 @@ class ParticipantInfo:
 
 @dataclass
 class DiscoverResult:
-    """Participants that answered, and servers that did not (with why)."""
+    """Participants that answered, servers that are not participants, and servers that failed (with why).
+
+    ``skipped`` lists servers whose status route answered 404: they take no part in
+    checkpoints (an auxiliary model, a relay) and are not a problem. ``problems`` maps each
+    failed server (and ``"deployment"`` when no model participant answered) to a text;
+    ``causes`` holds the same failures as exceptions.
+    """
 
     participants: list[ParticipantInfo] = field(default_factory=list)
     problems: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    causes: dict[str, BaseException] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    def _report(self, server: str, cause: BaseException) -> None:
+        self.causes[server] = cause
+        self.problems[server] = str(cause) or type(cause).__name__
+
+    def raise_for_problems(self) -> DiscoverResult:
+        """Raise one :class:`~gymckpt.errors.CoordinationError` naming every problem; else return self."""
+        if self.causes:
+            raise errors.CoordinationError("discover", self.causes)
+        return self
+
 
 @dataclass
 class PrepareResult:
-    """Every participant's prepare reply."""
+    """The prepare replies so far, and whether every participant is prepared.
 
+    ``prepared`` is False when some stage answered a phase other than ``prepared``;
+    ``stopped_at`` names that stage's kind, and the stages after it were never called.
+    """
+
+    prepared: bool
     replies: dict[str, PrepareReply]
+    stopped_at: str | None = None
 
     @property
     def ready(self) -> bool:
-        """True when every participant is prepared."""
-        return all(reply.report.ready and reply.phase == "prepared" for reply in self.replies.values())
+        """The same as :attr:`prepared`."""
+        return self.prepared
 
     def blockers(self) -> dict[str, list[str]]:
-        """Blocking capture keys per server (each list capped by the server at 100)."""
-        return {url: reply.report.blockers for url, reply in self.replies.items() if reply.report.blocker_count}
+        """Blocking capture keys of every server not prepared (each list capped by the server at 100)."""
+        return {url: reply.report.blockers for url, reply in self.replies.items() if reply.phase != Phase.PREPARED}
 
     def restarts(self) -> set[str]:
-        """Every rollout some server cannot capture: never exported; after a crash it starts over."""
+        """Every episode some server cannot capture (capture keys): never exported; after a crash it starts over."""
         return {key for reply in self.replies.values() for key in reply.report.restarts}
 
-    def continued(self, episode_ids: Iterable[str]) -> list[str]:
-        """The commit scope: the episodes the controller continues, restarts left out."""
+    def continued(self, episode_ids: Iterable[EpisodeLike]) -> list[str]:
+        """The commit scope: the episodes the controller continues, restarts left out (sorted capture keys)."""
         restarts = self.restarts()
-        return sorted({key for key in episode_ids if key not in restarts})
+        return [key for key in _scope_keys(episode_ids) if key not in restarts]
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+#: the manifest fields a commit reply takes from its manifest when it does not carry them itself (and that
+#: a flat reply, gymckpt's before its wire-conformance work, carried instead of the manifest object)
+_MANIFEST_FIELDS = ("kind", "instance", "checkpoint_id", "records_file", "record_count", "records_bytes")
+
+
+class ParticipantCommit(_Reply):
+    """One participant's commit reply, in gymckpt's shape or the reference's.
+
+    The reference sends ``{phase, manifest, episode_ids}`` (plus participant extras such
+    as the model's ``staging_keys``, kept as extra fields); gymckpt adds ``kind``,
+    ``instance``, ``manifest_path``, ``manifest_sha256``, ``records_bytes`` and more. What a
+    reply lacks is taken from its manifest; ``manifest_path`` defaults to the layout's
+    ``gym/<kind>/<instance>/manifest.json``. ``manifest_sha256`` and ``records_bytes`` are
+    None when neither the reply nor its manifest carries them.
+    """
+
+    phase: str
+    manifest: dict[str, Any]
+    episode_ids: list[ReplyKey]
+    kind: str
+    instance: str
+    checkpoint_id: str
+    records_file: str
+    record_count: int
+    records_bytes: int | None = None
+    manifest_path: str
+    manifest_sha256: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_manifest(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        manifest = data.get("manifest")
+        if isinstance(manifest, str):  # the flat shape: ``manifest`` was the manifest's path
+            data.setdefault("manifest_path", manifest)
+            manifest = data["manifest"] = {name: data[name] for name in _MANIFEST_FIELDS if name in data}
+        if isinstance(manifest, dict):
+            for name in _MANIFEST_FIELDS:
+                if name not in data and name in manifest:
+                    data[name] = manifest[name]
+            if (
+                "manifest_path" not in data
+                and isinstance(data.get("kind"), str)
+                and isinstance(data.get("instance"), str)
+            ):
+                data["manifest_path"] = f"gym/{data['kind']}/{data['instance']}/{MANIFEST_NAME}"
+        return data
+
+
+class ParticipantRestore(_Reply):
+    """One participant's restore reply: the checkpoint it read, and the attempts it installed (capture keys)."""
+
+    phase: str
+    source_checkpoint_id: str
+    restored: list[ReplyKey]
 
 
 def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], restarts: Iterable[str]) -> list[str]:
@@ -95,6 +256,109 @@ def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], resta
     """
     skip = set(committed) | set(restarts)
     return sorted(key for key in outstanding if key not in skip)
+
+
+# --- replies
+
+
+def _parser(model: type[BaseModel]) -> Callable[[str, str, dict[str, Any]], Any]:
+    """Validate a reply as ``model``; a reply that does not fit is that server's failure."""
+
+    def parse(url: str, operation: str, reply: dict[str, Any]) -> Any:
+        try:
+            return model.model_validate(reply)
+        except ValidationError as exc:
+            raise _failed(url, f"{operation} reply does not fit {model.__name__}: {exc}") from exc
+
+    return parse
+
+
+def _counter(count_field: str, list_field: str) -> Callable[[str, str, dict[str, Any]], int]:
+    """Read ``{count_field: n}`` (gymckpt, the design texts) or ``{list_field: [...]}`` (reference code)."""
+
+    def parse(url: str, operation: str, reply: dict[str, Any]) -> int:
+        count = reply.get(count_field)
+        if type(count) is int:
+            return count
+        listed = reply.get(list_field)
+        if isinstance(listed, list):
+            return len(listed)
+        raise _failed(url, f"{operation} reply has neither {count_field} nor {list_field}: {reply!r:.200}")
+
+    return parse
+
+
+def _failed(url: str, detail: str) -> errors.ServerCallFailed:
+    failure = errors.ServerCallFailed(f"{url}: {detail}")
+    failure.server = url  # type: ignore[attr-defined]
+    failure.wire_code = None  # type: ignore[attr-defined]
+    failure.http_status = None  # type: ignore[attr-defined]
+    return failure
+
+
+def _reply_error(url: str, operation: str, status: int, raw: bytes) -> errors.GymckptError:
+    """The typed error of a non-2xx reply: by its wire code, or FastAPI's bare 422 as InvalidRequest."""
+    try:
+        payload: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        payload = None
+    envelope = payload.get("error") if isinstance(payload, dict) else None
+    code: str | None = None
+    if isinstance(envelope, dict) and "code" in envelope:
+        code = str(envelope["code"])
+        cls = errors.error_for_code(code) or errors.ServerCallFailed
+        detail = str(envelope.get("detail", ""))
+    elif status == 422 and isinstance(payload, dict) and "detail" in payload:
+        # FastAPI's own validation reply (a reference server's): no envelope, the status says it
+        cls = errors.InvalidRequest
+        detail = orjson.dumps(payload["detail"]).decode()[:500]
+    else:
+        cls = errors.ServerCallFailed
+        detail = repr(raw[:200]) if payload is None else orjson.dumps(payload).decode()[:200]
+    raised = cls(f"{url}: {operation} answered {status}{f' {code}' if code else ''}: {detail}")
+    raised.server = url  # type: ignore[attr-defined]
+    raised.wire_code = code  # type: ignore[attr-defined]
+    raised.http_status = status  # type: ignore[attr-defined]
+    return raised
+
+
+def _connection_failed(exc: BaseException) -> bool:
+    """A failure to connect or a dropped connection (worth another try), not a silent server."""
+    cause = exc.__cause__
+    return isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError)
+
+
+def _pool_options(settings: CheckpointSettings | GymckptSettings | Mapping[str, Any]) -> dict[str, Any]:
+    """Coordinator arguments from a settings object (see :meth:`Coordinator.from_settings`)."""
+    reference: dict[str, int] = {}
+    if isinstance(settings, CheckpointSettings):
+        block = settings
+    elif isinstance(settings, GymckptSettings):
+        block = settings.checkpoint
+    elif isinstance(settings, Mapping):
+        block = load_settings(dict(settings)).checkpoint
+        for name, option in _REFERENCE_POOL_KEYS.items():
+            if name in settings:
+                value = settings[name]
+                if type(value) is not int or value < 0:
+                    raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
+                reference[option] = value
+    else:
+        raise TypeError(
+            f"settings must be CheckpointSettings, GymckptSettings or a mapping, not {type(settings).__name__}"
+        )
+    options: dict[str, Any] = {
+        "token": block.token,
+        "connector_limit": block.control_connector_limit,
+        "connector_limit_per_host": block.control_connector_limit_per_host,
+        "storage_options": dict(block.storage_options),
+    }
+    for option, value in reference.items():
+        name = f"control_{option}"
+        if name in block.model_fields_set and getattr(block, name) != value:
+            raise ValueError(f"checkpoint.{name} ({getattr(block, name)}) and its reference name disagree ({value})")
+        options[option] = value
+    return options
 
 
 class Coordinator:
@@ -108,8 +372,15 @@ class Coordinator:
         The control bearer token the servers share.
     connector_limit, connector_limit_per_host:
         Size of the reserved control connection pool (0: no limit).
-    probe_timeout, probe_retries:
-        Bound discover: each probe's timeout and how many connection attempts it makes.
+    probe_timeout:
+        Bound of one server's whole discover probe, every try and pause included, in
+        seconds. 60 by default, as in the reference stack: a server just restarted behind
+        a kept socket accepts connections at once but answers only once its process has
+        started. A server that accepts and stays silent is not tried again.
+    probe_retries:
+        How many tries a probe makes in all when it cannot connect (or the connection drops).
+    probe_backoff, probe_backoff_max:
+        The pause after the first failed try; it doubles after each further one, up to the cap.
     storage_options:
         For :meth:`publish`, which writes ``checkpoint.json`` through the store.
     """
@@ -121,20 +392,62 @@ class Coordinator:
         token: str,
         connector_limit: int = 0,
         connector_limit_per_host: int = 0,
-        probe_timeout: float = 5.0,
+        probe_timeout: float = DEFAULT_PROBE_TIMEOUT,
         probe_retries: int = 3,
+        probe_backoff: float = DEFAULT_PROBE_BACKOFF,
+        probe_backoff_max: float = DEFAULT_PROBE_BACKOFF_MAX,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if connector_limit < 0 or connector_limit_per_host < 0:
             raise ValueError("control connector limits must be >= 0")
+        if probe_backoff < 0 or probe_backoff_max < 0:
+            raise ValueError("probe backoff must be >= 0")
         self.servers = [url.rstrip("/") for url in servers]
         self._headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         self._limits = (connector_limit, connector_limit_per_host)
         self.probe_timeout = probe_timeout
         self.probe_retries = probe_retries
+        self.probe_backoff = probe_backoff
+        self.probe_backoff_max = probe_backoff_max
         self.storage_options = dict(storage_options or {})
+        #: the participants the last discover found, by URL
         self.kinds: dict[str, ParticipantInfo] = {}
+        #: servers the last discover found to be no participant (status answered 404)
+        self.skipped: list[str] = []
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_settings(
+        cls,
+        servers: Iterable[str],
+        settings: CheckpointSettings | GymckptSettings | Mapping[str, Any],
+        **overrides: Any,
+    ) -> Coordinator:
+        """A coordinator configured from checkpoint settings; ``overrides`` win over them.
+
+        ``settings`` is a :class:`~gymckpt.control.settings.CheckpointSettings` (the
+        ``checkpoint:`` block), a :class:`~gymckpt.control.settings.GymckptSettings`, or a
+        config mapping. Read from the block: ``control_auth_token`` (the token),
+        ``control_connector_limit``, ``control_connector_limit_per_host`` (the control
+        pool) and ``storage_options``. A mapping's ``checkpoint:`` block is validated by
+        :func:`~gymckpt.control.settings.load_settings`; its top-level
+        ``global_aiohttp_control_connector_limit`` and
+        ``global_aiohttp_control_connector_limit_per_host`` (the reference stack's names)
+        size the pool too, and disagreeing with the block's own value is a ``ValueError``.
+        A missing token is a ``ValueError``.
+        """
+        options = {**_pool_options(settings), **overrides}
+        if not options.get("token"):
+            raise ValueError("checkpoint.control_auth_token is not set: the coordinator needs the servers' token")
+        return cls(servers, **options)
+
+    @property
+    def connector_limit(self) -> int:
+        return self._limits[0]
+
+    @property
+    def connector_limit_per_host(self) -> int:
+        return self._limits[1]
 
     async def __aenter__(self) -> Coordinator:
         return self
@@ -158,6 +471,7 @@ class Coordinator:
     # --- one call
 
     async def _call(self, url: str, op: str, body: bytes | None, *, timeout: float) -> dict[str, Any]:
+        """One control request; a failure is typed by the reply's wire code (ServerCallFailed without one)."""
         endpoint = f"{url}{CONTROL_PREFIX}/{op}"
         client_timeout = aiohttp.ClientTimeout(total=max(timeout, 0.1))
         try:
@@ -169,188 +483,297 @@ class Coordinator:
                 raw = await response.read()
                 status = response.status
         except TimeoutError as exc:
-            raise errors.ServerCallFailed(f"{url}: {op} got no reply within {timeout:.1f} s") from exc
+            raise _failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
         except aiohttp.ClientError as exc:
-            raise errors.ServerCallFailed(f"{url}: {op} failed: {exc}") from exc
+            raise _failed(url, f"{op} failed: {exc}") from exc
+        if status >= 400:
+            raise _reply_error(url, op, status, raw)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise errors.ServerCallFailed(f"{url}: {op} replied {status} with a body that is not JSON") from exc
-        if status >= 400:
-            error = payload.get("error", {}) if isinstance(payload, dict) else {}
-            code = str(error.get("code", "unknown"))
-            cls = errors.error_for_code(code) or errors.ServerCallFailed
-            raised = cls(f"{url}: {op}: {error.get('detail', raw[:200])}")
-            raised.server = url  # type: ignore[attr-defined]
-            raised.wire_code = code  # type: ignore[attr-defined]
-            raise raised
-        return payload  # type: ignore[no-any-return]
+            raise _failed(url, f"{op} replied {status} with a body that is not JSON") from exc
+        if not isinstance(payload, dict):
+            raise _failed(url, f"{op} replied {status} with a JSON {type(payload).__name__}, not an object")
+        return payload
 
-    async def _fan_out(self, urls: Iterable[str], op: str, body: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """The same encoded body to every server at once; raise the first failure after all settle."""
+    async def _fan_out(
+        self,
+        op: str,
+        urls: Iterable[str],
+        encoded: bytes,
+        deadline_ts: float,
+        parse: Callable[[str, str, dict[str, Any]], T] | None = None,
+    ) -> dict[str, T]:
+        """The same encoded body to every server at once; after all settle, one CoordinationError for every failure."""
         urls = list(urls)
-        encoded = orjson.dumps(body)
-        timeout = body["deadline_ts"] - time.time() + _REPLY_SLACK
-        outcomes = await asyncio.gather(
-            *(self._call(url, op, encoded, timeout=timeout) for url in urls), return_exceptions=True
-        )
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
-            raise failures[0]
+        timeout = deadline_ts - time.time() + _REPLY_SLACK
+
+        async def one(url: str) -> Any:
+            reply = await self._call(url, op, encoded, timeout=timeout)
+            return reply if parse is None else parse(url, op, reply)
+
+        outcomes = await asyncio.gather(*(one(url) for url in urls), return_exceptions=True)
+        causes: dict[str, BaseException] = {}
+        for url, outcome in zip(urls, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):
+                    raise outcome  # a cancellation or an interrupt is no server's failure
+                causes[url] = outcome
+        if causes:
+            raise errors.CoordinationError(op, causes)
         return dict(zip(urls, outcomes, strict=True))  # type: ignore[arg-type]
 
-    def _by_kind(self, kinds: Iterable[str]) -> list[str]:
-        wanted = set(kinds)
-        return [url for url in self.servers if self._kind(url) in wanted]
+    def _participants(self, kinds: Iterable[str] | None = None) -> list[str]:
+        """The discovered participants (of these kinds), in the order of :attr:`servers`."""
+        wanted = None if kinds is None else set(kinds)
+        found = []
+        for url in self.servers:
+            if url in self.skipped:
+                continue
+            info = self.kinds.get(url)
+            if info is None:
+                raise errors.InvalidPhase(f"{url} was not discovered; call discover() first")
+            if wanted is None or info.kind in wanted:
+                found.append(url)
+        return found
 
-    def _kind(self, url: str) -> str:
-        info = self.kinds.get(url)
-        if info is None:
-            raise errors.InvalidPhase(f"{url} was not discovered; call discover() first")
-        return info.kind
+    # --- discover
+
+    async def discover(self, *, require_model: bool = True) -> DiscoverResult:
+        """Ask every server for its participant; failures are reported in the result, not raised.
+
+        A server whose status answers 404 is no participant: it is listed in
+        ``skipped``. Each probe is bounded by :attr:`probe_timeout`; a connection that
+        fails is tried again (:attr:`probe_retries` tries in all) after a pause that
+        doubles from :attr:`probe_backoff`. An unknown kind is a problem. When every server
+        answered but none is a policy model, ``problems["deployment"]`` says so
+        (``require_model=False`` for a coordinator of only some servers). Call
+        :meth:`DiscoverResult.raise_for_problems` to raise them all as one error.
+        """
+        result = DiscoverResult()
+        self.kinds = {}
+        self.skipped = []
+        outcomes = await asyncio.gather(*(self._probe(url) for url in self.servers), return_exceptions=True)
+        for url, outcome in zip(self.servers, outcomes, strict=True):
+            if isinstance(outcome, ParticipantInfo):
+                self.kinds[url] = outcome
+                result.participants.append(outcome)
+            elif outcome is None:
+                self.skipped.append(url)
+            elif isinstance(outcome, Exception):
+                result._report(url, outcome)
+            else:
+                raise outcome  # type: ignore[misc]
+        self.skipped.sort()
+        result.skipped = list(self.skipped)
+        result.participants.sort(key=lambda info: (KIND_ORDER.index(info.kind), info.url))
+        if require_model and not result.problems and not any(info.kind == "model" for info in result.participants):
+            result._report(_DEPLOYMENT, errors.GymckptError(NO_POLICY_MODEL))
+        return result
+
+    async def _probe(self, url: str) -> ParticipantInfo | None:
+        """One server's participant, or None when it has none (404); raises why it failed."""
+        give_up = time.monotonic() + self.probe_timeout
+        tries = max(self.probe_retries, 1)
+        for attempt in range(tries):
+            try:
+                status = await self._call(url, "status", None, timeout=give_up - time.monotonic())
+            except errors.GymckptError as exc:
+                if getattr(exc, "http_status", None) == 404:
+                    return None
+                pause = min(self.probe_backoff * 2**attempt, self.probe_backoff_max)
+                last_try = attempt + 1 >= tries or time.monotonic() + pause >= give_up
+                if last_try or not _connection_failed(exc):
+                    raise
+                await self._pause(pause)
+                continue
+            kind = status.get("kind")
+            if kind not in KIND_ORDER:
+                raise _failed(url, f"unknown participant kind {kind!r}")
+            return ParticipantInfo(url, kind, str(status.get("instance")))
+        raise AssertionError("unreachable: the last try returns or raises")  # pragma: no cover
+
+    async def _pause(self, seconds: float) -> None:
+        """The pause between two discover tries."""
+        await asyncio.sleep(seconds)
 
     # --- operations
 
-    async def discover(self) -> DiscoverResult:
-        """Ask every server for its participant; servers that fail are reported, not waited on."""
-        result = DiscoverResult()
-
-        async def probe(url: str) -> None:
-            last = ""
-            for _attempt in range(max(self.probe_retries, 1)):
-                try:
-                    status = await self._call(url, "status", None, timeout=self.probe_timeout)
-                except errors.ServerCallFailed as exc:
-                    last = str(exc)
-                    if "no reply within" in last:
-                        break  # it accepted the connection and stayed silent: retrying only waits longer
-                    continue
-                except errors.GymckptError as exc:
-                    last = str(exc)
-                    break
-                kind = status.get("kind")
-                if kind not in KIND_ORDER:
-                    last = f"{url}: unknown participant kind {kind!r}"
-                    break
-                info = ParticipantInfo(url, kind, str(status.get("instance")))
-                self.kinds[url] = info
-                result.participants.append(info)
-                return
-            result.problems[url] = last
-
-        await asyncio.gather(*(probe(url) for url in self.servers))
-        result.participants.sort(key=lambda info: (KIND_ORDER.index(info.kind), info.url))
-        return result
-
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
-        """Prepare kind by kind: environment, model, agent, resources."""
-        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts}
+        """Prepare kind by kind (environment, model, agent, resources), stopping at the first stage not prepared.
+
+        The stages after it are never called: their admission stays open. Resume
+        everyone afterwards either way (the servers never called answer it as a no-op).
+        """
+        encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
         replies: dict[str, PrepareReply] = {}
         for kind in KIND_ORDER:
-            answered = await self._fan_out(self._by_kind([kind]), "prepare", body)
-            replies.update({url: PrepareReply.model_validate(reply) for url, reply in answered.items()})
-        return PrepareResult(replies)
+            stage = await self._fan_out(
+                "prepare", self._participants([kind]), encoded, deadline_ts, _parser(PrepareReply)
+            )
+            replies.update(stage)
+            if any(reply.phase != Phase.PREPARED for reply in stage.values()):
+                return PrepareResult(False, replies, stopped_at=kind)
+        return PrepareResult(True, replies)
 
-    async def renew(self, checkpoint_id: str, deadline_ts: float) -> None:
-        """Extend every participant's lease."""
-        await self._fan_out(self.servers, "renew", {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+    async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, dict[str, Any]]:
+        """Extend every participant's lease; return each one's reply."""
+        encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+        return await self._fan_out("renew", self._participants(), encoded, deadline_ts)
 
     async def commit(
-        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: Iterable[str]
-    ) -> dict[str, CommitReply]:
-        """Commit everywhere concurrently with one scope."""
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: Iterable[EpisodeLike] | None,
+        *,
+        stop: bool = False,
+    ) -> dict[str, ParticipantCommit]:
+        """Commit everywhere concurrently with one scope; return each participant's reply.
+
+        ``episode_ids`` None sends no scope (every live episode is exported, no restored
+        state deleted). ``stop``: the controller stops after this checkpoint instead of
+        resuming, and the participants free what their exported state holds outside.
+        """
+        scope = None if episode_ids is None else [episode_object(key) for key in _scope_keys(episode_ids)]
         body = {
             "checkpoint_id": checkpoint_id,
             "deadline_ts": deadline_ts,
             "checkpoint_dir": checkpoint_dir,
-            "episode_ids": sorted(set(episode_ids)),
+            "episode_ids": scope,
+            "stop": stop,
         }
-        answered = await self._fan_out(self.servers, "commit", body)
-        return {url: CommitReply.model_validate(reply) for url, reply in answered.items()}
+        return await self._fan_out(
+            "commit", self._participants(), _encode(body), deadline_ts, _parser(ParticipantCommit)
+        )
 
     async def publish(
-        self, checkpoint_dir: str, commits: dict[str, CommitReply], *, extra: dict[str, Any] | None = None
+        self, checkpoint_dir: str, commits: dict[str, ParticipantCommit], *, extra: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Write ``gym/checkpoint.json`` last, create-only, listing every committed manifest."""
-        missing = sorted(set(self.servers) - set(commits))
+        """Write ``gym/checkpoint.json`` last, create-only, listing every committed manifest.
+
+        Each manifest is read back first and must be the one its commit reported: the same
+        sha256 when the reply carries one (gymckpt's servers), else the same JSON object.
+        """
+        missing = sorted(set(self._participants()) - set(commits))
         if missing:
-            raise errors.InvalidPhase(f"publish needs every server's commit; missing {missing}")
+            raise errors.InvalidPhase(f"publish needs every participant's commit; missing {missing}")
 
         def write() -> dict[str, Any]:
             store = open_store(checkpoint_dir, **self.storage_options)
             try:
-                manifests = []
-                for reply in commits.values():
-                    manifest = store.read_manifest("", kind=reply.kind, instance=reply.instance)
-                    if manifest.sha256 != reply.manifest_sha256:
-                        raise errors.CheckpointIndexInvalid(
-                            "the stored manifest differs from the one its commit reported", path=manifest.path
-                        )
-                    manifests.append(manifest)
+                manifests = [self._read_back(store, reply) for reply in commits.values()]
                 return store.publish("", manifests, extra=extra)
             finally:
                 store.close()
 
         return await asyncio.to_thread(write)
 
-    async def resume(self, checkpoint_id: str, deadline_ts: float) -> None:
-        """Resume kind by kind in reverse order: resources, agent, model, environment."""
-        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts}
-        failure: BaseException | None = None
+    @staticmethod
+    def _read_back(store: Any, reply: ParticipantCommit) -> Any:
+        manifest = store.read_manifest("", kind=reply.kind, instance=reply.instance)
+        if manifest.path != reply.manifest_path:
+            raise errors.CheckpointIndexInvalid(
+                f"the commit reported its manifest at {reply.manifest_path!r}", path=manifest.path
+            )
+        if reply.manifest_sha256 is not None:
+            same = manifest.sha256 == reply.manifest_sha256
+        else:
+            same = decode_document(manifest.raw) == reply.manifest
+        if not same:
+            raise errors.CheckpointIndexInvalid(
+                "the stored manifest differs from the one its commit reported", path=manifest.path
+            )
+        return manifest
+
+    async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, dict[str, Any]]:
+        """Resume kind by kind in reverse order (resources, agent, model, environment); return each reply.
+
+        A stage that fails does not stop the others (none should stay closed): every
+        failure is raised at the end, as one CoordinationError.
+        """
+        encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+        replies: dict[str, dict[str, Any]] = {}
+        causes: dict[str, BaseException] = {}
         for kind in reversed(KIND_ORDER):
             try:
-                await self._fan_out(self._by_kind([kind]), "resume", body)
-            except errors.GymckptError as exc:
-                failure = failure or exc  # keep resuming the others: none should stay closed
-        if failure is not None:
-            raise failure
+                replies.update(await self._fan_out("resume", self._participants([kind]), encoded, deadline_ts))
+            except errors.CoordinationError as exc:
+                causes.update(exc.causes)
+        if causes:
+            raise errors.CoordinationError("resume", causes)
+        return replies
 
     async def restore(
-        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: Iterable[str]
-    ) -> dict[str, RestoreReply]:
-        """Restore on every server, all or nothing.
+        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: Iterable[EpisodeLike]
+    ) -> dict[str, ParticipantRestore]:
+        """Restore on every server, all or nothing; ``episode_ids`` are the checkpointed attempts.
 
         On any failure the replacement attempts are retired everywhere, every participant
-        is resumed, and the restore's error is raised (not a cleanup error).
+        is resumed (both by ``max(deadline_ts, now + 30 s)``), and the restore's error is
+        raised (a cleanup error is only logged).
         """
-        scope = sorted(set(episode_ids))
+        scope = _scope_keys(episode_ids)
         body = {
             "checkpoint_id": checkpoint_id,
             "deadline_ts": deadline_ts,
             "checkpoint_dir": checkpoint_dir,
-            "episode_ids": scope,
+            "episode_ids": [episode_object(key) for key in scope],
         }
+        urls = self._participants()
         try:
-            answered = await self._fan_out(self.servers, "restore", body)
-        except BaseException as failure:
-            replacements = [capture_key(rollout, attempt + 1) for rollout, attempt in map(split_capture_key, scope)]
-            cleanup_deadline = max(deadline_ts, time.time() + 30.0)
-            try:
-                if replacements:
-                    await self.retire(replacements, checkpoint_id=checkpoint_id, deadline_ts=cleanup_deadline)
-            except errors.GymckptError:
-                pass  # the restore's error is the one to raise
-            try:
-                await self.resume(checkpoint_id, cleanup_deadline)
-            except errors.GymckptError:
-                pass
-            raise failure
-        return {url: RestoreReply.model_validate(reply) for url, reply in answered.items()}
+            return await self._fan_out("restore", urls, _encode(body), deadline_ts, _parser(ParticipantRestore))
+        except errors.CoordinationError:
+            await self._undo_restore(checkpoint_id, deadline_ts, scope)
+            raise
 
-    async def retire(self, episode_ids: Iterable[str], *, checkpoint_id: str, deadline_ts: float) -> int:
-        """Retire attempts everywhere, callers before callees; return the total retired count."""
-        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "episode_ids": sorted(set(episode_ids))}
-        total = 0
-        for group in _RETIRE_GROUPS:
-            answered = await self._fan_out(self._by_kind(group), "retire", body)
-            total += sum(reply["retired_count"] for reply in answered.values())
-        return total
+    async def _undo_restore(self, checkpoint_id: str, deadline_ts: float, scope: list[str]) -> None:
+        replacements = [EpisodeId.from_capture_key(key).next_attempt().capture_key for key in scope]
+        cleanup_deadline = max(deadline_ts, time.time() + 30.0)
+        try:
+            await self.retire(replacements, checkpoint_id=checkpoint_id, deadline_ts=cleanup_deadline)
+        except errors.CoordinationError:
+            logger.warning("checkpoint %s: retiring the restored attempts failed", checkpoint_id, exc_info=True)
+        try:
+            await self.resume(checkpoint_id, cleanup_deadline)
+        except errors.CoordinationError:
+            logger.warning("checkpoint %s: resuming after a failed restore failed", checkpoint_id, exc_info=True)
+
+    async def retire(self, episode_ids: Iterable[EpisodeLike], *, checkpoint_id: str, deadline_ts: float) -> int:
+        """Retire attempts everywhere, callers before callees; return the total retired count.
+
+        No episode: no call, 0.
+        """
+        keys = _scope_keys(episode_ids)
+        if not keys:
+            return 0
+        body = {
+            "checkpoint_id": checkpoint_id,
+            "deadline_ts": deadline_ts,
+            "episode_ids": [episode_object(key) for key in keys],
+        }
+        return await self._in_retire_order("retire", _encode(body), deadline_ts, _counter("retired_count", "retired"))
 
     async def forget(self, rollout_ids: Iterable[str], *, checkpoint_id: str, deadline_ts: float) -> int:
-        """End the refusal of these rollouts everywhere, in retire's order; return the total count."""
-        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "rollout_ids": sorted(set(rollout_ids))}
+        """End the refusal of these rollouts everywhere, in retire's order; return the total count.
+
+        No rollout: no call, 0.
+        """
+        ids = sorted(set(rollout_ids))
+        if not ids:
+            return 0
+        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "rollout_ids": ids}
+        return await self._in_retire_order(
+            "forget", _encode(body), deadline_ts, _counter("forgotten_count", "forgotten")
+        )
+
+    async def _in_retire_order(
+        self, op: str, encoded: bytes, deadline_ts: float, count: Callable[[str, str, dict[str, Any]], int]
+    ) -> int:
         total = 0
         for group in _RETIRE_GROUPS:
-            answered = await self._fan_out(self._by_kind(group), "forget", body)
-            total += sum(reply["forgotten_count"] for reply in answered.values())
+            urls = self._participants(group)
+            if urls:
+                total += sum((await self._fan_out(op, urls, encoded, deadline_ts, count)).values())
         return total

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from gymckpt.identity import MAX_ROLLOUT_ID_LENGTH, validate_capture_key, validate_rollout_id
+from gymckpt.identity import MAX_ROLLOUT_ID_LENGTH, episode_key, validate_capture_key, validate_rollout_id
 from gymckpt.store.layout import check_name
 
 __all__ = [
@@ -48,9 +48,14 @@ def is_name(value: str) -> str:
 
 
 def _finite(value: float) -> float:
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError("deadline_ts must be a finite, positive epoch time in seconds")
+    if not math.isfinite(value):
+        raise ValueError("deadline_ts must be a finite epoch time in seconds")
     return value
+
+
+def _episode_key(value: object) -> object:
+    """The reference's ``{"rollout_id", "attempt"}`` object becomes its capture key; a string stays."""
+    return episode_key(value) if isinstance(value, dict) else value
 
 
 #: the wire's pattern (the schema clients see); the store's one name rule (a checkpoint id names files) enforces it
@@ -67,6 +72,8 @@ CaptureKey = Annotated[
 RolloutId = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_ROLLOUT_ID_LENGTH), AfterValidator(validate_rollout_id)
 ]
+#: an episode id on the wire: the reference's ``{"rollout_id", "attempt"}`` object or a capture key; held as the key
+EpisodeRef = Annotated[CaptureKey, BeforeValidator(_episode_key)]
 CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
 
 
@@ -83,16 +90,22 @@ class ControlRequest(_Strict):
 
 class CommitRequest(ControlRequest):
     checkpoint_dir: CheckpointDir = Field(description="Local path or fsspec URL of the checkpoint directory.")
-    episode_ids: list[CaptureKey] = Field(description="The scope: capture keys the controller continues.")
+    episode_ids: list[EpisodeRef] | None = Field(
+        default=None,
+        description="The scope: the episodes the controller continues. None: export every live one, delete nothing.",
+    )
+    stop: bool = Field(
+        default=False, strict=True, description="The controller stops after this checkpoint instead of resuming it."
+    )
 
 
 class RestoreRequest(ControlRequest):
     checkpoint_dir: CheckpointDir
-    episode_ids: list[CaptureKey]
+    episode_ids: list[EpisodeRef] = Field(description="The checkpointed attempts; records return under attempt + 1.")
 
 
 class RetireRequest(ControlRequest):
-    episode_ids: list[CaptureKey] = Field(min_length=1)
+    episode_ids: list[EpisodeRef] = Field(min_length=1)
 
 
 class ForgetRequest(ControlRequest):
@@ -115,19 +128,22 @@ class PrepareReply(BaseModel):
 
 
 class CommitReply(BaseModel):
+    """The reference's ``{phase, manifest, episode_ids}``, gymckpt's own fields beside them."""
+
     model_config = ConfigDict(extra="allow")
 
     phase: Phase
+    manifest: dict[str, Any] = Field(description="The manifest object, exactly as written.")
+    episode_ids: list[str] = Field(description="Capture keys of the episodes with a record, sorted.")
     kind: str = Field(description="The participant's kind (its directory under gym/).")
     instance: str = Field(description="The participant's instance (its directory under gym/<kind>/).")
     checkpoint_id: str
     checkpoint_dir: str
-    manifest: str = Field(description="Path of the manifest, relative to checkpoint_dir.")
+    manifest_path: str = Field(description="Path of the manifest, relative to checkpoint_dir.")
     manifest_sha256: str
     records_file: str
     record_count: int
     records_bytes: int
-    episode_ids: list[str] = Field(description="Episodes with a record, sorted.")
 
 
 class RestoreReply(BaseModel):
@@ -138,6 +154,7 @@ class RestoreReply(BaseModel):
 
 class ResumeReply(BaseModel):
     phase: Phase
+    idempotent: bool = Field(description="True when nothing was open under this id (a repeat, or an id never seen).")
     checkpoint_id: str
 
 
@@ -149,10 +166,14 @@ class RenewReply(BaseModel):
 
 class RetireReply(BaseModel):
     retired_count: int
+    retired: list[str] = Field(
+        default_factory=list, description="The retired capture keys, sorted (what some reference versions read)."
+    )
 
 
 class ForgetReply(BaseModel):
-    forgotten_count: int
+    forgotten_count: int = Field(description="How many of the rollouts had a retire mark.")
+    forgotten: list[str] = Field(default_factory=list, description="The rollout ids of the request, sorted.")
 
 
 class StatusReply(BaseModel):

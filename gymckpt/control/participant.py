@@ -95,8 +95,8 @@ class Participant(ABC):
         """Call ``callback`` whenever readiness may have changed while admission is closed."""
 
     @abstractmethod
-    async def export(self, scope: list[str]) -> Iterable[dict[str, Any]]:
-        """Records (first key ``episode_id``) of the episodes in ``scope`` this server holds.
+    async def export(self, scope: list[str] | None) -> Iterable[dict[str, Any]]:
+        """Records (first key ``episode_id``) of the episodes in ``scope`` this server holds (None: all).
 
         Called once per checkpoint, after prepare; the records are stored as they are,
         never copied, so the state they reference must stay put until resume.
@@ -132,6 +132,11 @@ class Participant(ABC):
         """
         await self.retire(episode_ids)
 
+    async def park_exported(self, records: list[dict[str, Any]]) -> None:
+        """The controller stops after this checkpoint (commit ``stop``): free what the exported
+        episodes hold outside this process. Called once, after the write is durable; a failure
+        is logged and the commit still succeeds. Default: nothing to free."""
+
     def manifest_extra(self) -> dict[str, Any]:
         """Extra manifest fields of this participant's commit."""
         return {}
@@ -141,5 +146,5 @@ class Participant(ABC):
         return {}
 
     def status_extra(self) -> dict[str, Any]:
-        """Extra fields of the status reply (e.g. a resources server's ``checkpoint_verify``)."""
+        """Extra fields of the status reply (e.g. a resources server's ``mode`` and ``verify``)."""
         return {}

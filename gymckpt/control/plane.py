@@ -79,8 +79,11 @@ class _Checkpoint:
     closing: asyncio.Task[None] | None = None
     export_task: asyncio.Task[list[dict[str, Any]]] | None = None
     commit_task: asyncio.Task[CommitReply] | None = None
-    commit_args: tuple[str, tuple[str, ...]] | None = None
+    commit_args: tuple[str, tuple[str, ...] | None] | None = None
     committed: CommitReply | None = None
+    #: the exported records, kept for ``park_exported`` when a commit asks to stop
+    exported: list[dict[str, Any]] = field(default_factory=list)
+    parked: bool = False
 
 
 @dataclass
@@ -211,11 +214,26 @@ class ControlPlane:
             raise UnsupportedStorage(f"cannot open checkpoint_dir {checkpoint_dir!r}: {exc}") from exc
 
     def _extend_lease(self, deadline_ts: float) -> None:
-        self.lease_expires_at = deadline_ts + self.lease_grace_seconds
+        """The lease ends ``lease_grace_seconds`` after the latest deadline seen; it never shrinks."""
+        lease = deadline_ts + self.lease_grace_seconds
+        if self.lease_expires_at is None or lease > self.lease_expires_at:
+            self.lease_expires_at = lease
         self._loop = asyncio.get_running_loop()
-        self._lease_changed.set()  # the watcher recomputes its wait: the lease may now end sooner
+        self._lease_changed.set()  # the watcher recomputes its wait
         if self._lease_task is None or self._lease_task.done():
             self._lease_task = asyncio.create_task(self._watch_lease(), name="gymckpt-lease")
+
+    def _remember_resumed(self, checkpoint_id: str) -> None:
+        if checkpoint_id not in self._resumed:
+            self._resumed.append(checkpoint_id)
+
+    def _check_restore_id(self, checkpoint_id: str, operation: str) -> None:
+        """In the restored phase, retire, forget and renew belong to the open restore."""
+        restore = self._restore
+        if self.phase is Phase.RESTORED and restore is not None and restore.checkpoint_id != checkpoint_id:
+            raise CheckpointConflict(
+                f"restore {restore.checkpoint_id!r} is open: {operation} with its id, not {checkpoint_id!r}"
+            )
 
     def _current_id(self) -> str | None:
         if self._open is not None:
@@ -246,6 +264,7 @@ class ControlPlane:
         if self._open is not None and self._open.checkpoint_id != request.checkpoint_id:
             raise CheckpointConflict(f"checkpoint {self._open.checkpoint_id!r} is open, not {request.checkpoint_id!r}")
         if self.phase is Phase.RESTORED:
+            self._check_restore_id(request.checkpoint_id, "prepare")
             raise InvalidPhase("a restore is open: resume it before preparing a checkpoint")
         if request.checkpoint_id in self._export_failed:
             raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
@@ -257,7 +276,7 @@ class ControlPlane:
             checkpoint.closing = _spawn(self._close_admission(checkpoint), "gymckpt-close")
         else:
             checkpoint = self._open
-            self._extend_lease(max(request.deadline_ts, (self.lease_expires_at or 0) - self.lease_grace_seconds))
+            self._extend_lease(request.deadline_ts)
         assert checkpoint.closing is not None
         # a retried prepare waits for the first one's close: ready means nothing while admission is open.
         # Closing is not deadline-limited work (a prepare past its deadline still closes and
@@ -282,7 +301,7 @@ class ControlPlane:
         with contextlib.suppress(Exception):
             await self.participant.open_admission()
         if self._open is not None:
-            self._resumed.append(self._open.checkpoint_id)
+            self._remember_resumed(self._open.checkpoint_id)
         self._open = None
         self.phase = Phase.IDLE
         self.lease_expires_at = None
@@ -296,13 +315,13 @@ class ControlPlane:
             if self.participant.ready():
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._readiness.wait(), timeout=remaining)
+                async with asyncio.timeout(remaining):
+                    await self._readiness.wait()
 
     async def renew(self, request: ControlRequest) -> RenewReply:
         """Extend the lease of the open checkpoint (or restore)."""
         if self.phase is Phase.RESTORED and self._restore is not None:
-            if self._restore.checkpoint_id != request.checkpoint_id:
-                raise CheckpointConflict(f"restore of {self._restore.checkpoint_id!r} is open")
+            self._check_restore_id(request.checkpoint_id, "renew")
         else:
             self._open_checkpoint(request.checkpoint_id)
         self._extend_lease(request.deadline_ts)
@@ -315,25 +334,45 @@ class ControlPlane:
         if request.checkpoint_id in self._export_failed:
             raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
         checkpoint = self._open_checkpoint(request.checkpoint_id)
-        args = (request.checkpoint_dir, tuple(sorted(set(request.episode_ids))))
+        scope = None if request.episode_ids is None else tuple(sorted(set(request.episode_ids)))
+        args = (request.checkpoint_dir, scope)
         if checkpoint.commit_args is not None and checkpoint.commit_args != args:
             raise CheckpointConflict(
                 f"checkpoint {request.checkpoint_id!r} is being committed with another directory or scope"
             )
-        if checkpoint.committed is not None:
-            return checkpoint.committed
-        task = checkpoint.commit_task
-        if task is None or (task.done() and not _succeeded(task)):
-            if task is None:
-                self._check_commit_start(checkpoint, request)
-            store = self._store_for(request.checkpoint_dir)
-            checkpoint.commit_args = args
-            task = _spawn(self._run_commit(checkpoint, store, list(args[1])), "gymckpt-commit")
-            checkpoint.commit_task = task
-        return await self._within(request.deadline_ts, asyncio.shield(task), "the commit")
+        self._extend_lease(request.deadline_ts)
+        reply = checkpoint.committed
+        if reply is None:
+            task = checkpoint.commit_task
+            if task is None or (task.done() and not _succeeded(task)):
+                if task is None:
+                    self._check_commit_start(checkpoint, request)
+                store = self._store_for(request.checkpoint_dir)
+                checkpoint.commit_args = args
+                task = _spawn(
+                    self._run_commit(checkpoint, store, None if scope is None else list(scope)), "gymckpt-commit"
+                )
+                checkpoint.commit_task = task
+            reply = await self._within(request.deadline_ts, asyncio.shield(task), "the commit")
+        if request.stop:
+            await self._park_exported(checkpoint, request.deadline_ts)
+        return reply
+
+    async def _park_exported(self, checkpoint: _Checkpoint, deadline_ts: float) -> None:
+        """The controller stops after this checkpoint: let the participant free what it exported.
+
+        Once per checkpoint; a failure is logged and the commit still succeeds.
+        """
+        if checkpoint.parked:
+            return
+        checkpoint.parked = True
+        try:
+            await self._within(deadline_ts, self.participant.park_exported(checkpoint.exported), "parking")
+        except Exception:
+            logger.warning("parking the exported state of %s failed", checkpoint.checkpoint_id, exc_info=True)
 
     def _check_commit_start(self, checkpoint: _Checkpoint, request: CommitRequest) -> None:
-        restarts = set(self.participant.restarts()).intersection(request.episode_ids)
+        restarts = set(self.participant.restarts()).intersection(request.episode_ids or ())
         if restarts:
             raise RestartInScope(f"the scope names restarts, which are never exported: {sorted(restarts)[:10]}")
         if self.phase is Phase.PREPARING and not self.participant.ready():
@@ -345,14 +384,18 @@ class ControlPlane:
             raise ExportFailed("readiness regressed after prepare; resume and prepare a new checkpoint id")
         self.phase = Phase.PREPARED
 
-    async def _run_commit(self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str]) -> CommitReply:
+    async def _run_commit(
+        self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str] | None
+    ) -> CommitReply:
         """The commit task: export (once), store, clean up; the store it was given is closed at its end."""
         try:
             return await self._commit_into(checkpoint, store, scope)
         finally:
             await _close_store(store)
 
-    async def _commit_into(self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str]) -> CommitReply:
+    async def _commit_into(
+        self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str] | None
+    ) -> CommitReply:
         if checkpoint.export_task is None:
             checkpoint.export_task = _spawn(self._export(scope), "gymckpt-export")
         try:
@@ -377,22 +420,25 @@ class ControlPlane:
             extra=participant.manifest_extra(),
             stop=checkpoint.stop,
         )
-        unscoped = sorted(self._restored_keys.difference(scope))
-        if unscoped:
-            await participant.delete_restored(unscoped)
-        self._restored_keys.intersection_update(scope)
+        if scope is not None:  # no scope: nothing restored is left out, nothing is deleted
+            unscoped = sorted(self._restored_keys.difference(scope))
+            if unscoped:
+                await participant.delete_restored(unscoped)
+            self._restored_keys.intersection_update(scope)
+        checkpoint.exported = records
         reply = CommitReply(
             phase=Phase.COMMITTED,
+            manifest=manifest.to_document(),
+            episode_ids=sorted(str(record["episode_id"]) for record in records),
             kind=participant.kind,
             instance=participant.instance,
             checkpoint_id=checkpoint.checkpoint_id,
             checkpoint_dir=store.url,
-            manifest=manifest.path,
+            manifest_path=manifest.path,
             manifest_sha256=manifest.sha256,
             records_file=manifest.records_file,
             record_count=manifest.record_count,
             records_bytes=manifest.records_bytes,
-            episode_ids=list(manifest.episode_ids),
             **participant.commit_reply_extra(),
         )
         checkpoint.committed = reply
@@ -400,7 +446,7 @@ class ControlPlane:
             self.phase = Phase.COMMITTED
         return reply
 
-    async def _export(self, scope: list[str]) -> list[dict[str, Any]]:
+    async def _export(self, scope: list[str] | None) -> list[dict[str, Any]]:
         return list(await self.participant.export(scope))
 
     async def resume(self, request: ControlRequest) -> ResumeReply:
@@ -408,20 +454,26 @@ class ControlPlane:
 
         A repeated resume is a no-op reply; one that runs out of time keeps the phase.
         """
+        checkpoint_id = request.checkpoint_id
+        open_id = self._current_id()
+        if open_id is not None and open_id != checkpoint_id:
+            if checkpoint_id in self._resumed:
+                return ResumeReply(phase=self.phase, idempotent=True, checkpoint_id=checkpoint_id)
+            raise CheckpointConflict(f"checkpoint {open_id!r} is open, not {checkpoint_id!r}")
         if self.phase is Phase.RESTORED:
-            await self._finish_restore(request.checkpoint_id, request.deadline_ts)
+            await self._finish_restore(checkpoint_id, request.deadline_ts)
         elif self._open is not None:
-            if self._open.checkpoint_id != request.checkpoint_id:
-                if request.checkpoint_id in self._resumed:
-                    return ResumeReply(phase=self.phase, checkpoint_id=request.checkpoint_id)
-                raise CheckpointConflict(
-                    f"checkpoint {self._open.checkpoint_id!r} is open, not {request.checkpoint_id!r}"
-                )
             await self._end_checkpoint(self._open, request.deadline_ts)
         elif self._reopen_pending:
             await self._within(request.deadline_ts, self.participant.open_admission(), "reopening admission")
             self._reopen_pending = False
-        return ResumeReply(phase=self.phase, checkpoint_id=request.checkpoint_id)
+            self._remember_resumed(checkpoint_id)
+        else:
+            # nothing open: a repeat, or an id this server never saw (a prepare that stopped at
+            # an earlier stage). Remember it, so a late prepare with it is stale.
+            self._remember_resumed(checkpoint_id)
+            return ResumeReply(phase=self.phase, idempotent=True, checkpoint_id=checkpoint_id)
+        return ResumeReply(phase=self.phase, idempotent=False, checkpoint_id=checkpoint_id)
 
     async def _end_checkpoint(self, checkpoint: _Checkpoint, deadline_ts: float) -> None:
         if checkpoint.export_task is not None and not checkpoint.export_task.done():
@@ -435,7 +487,7 @@ class ControlPlane:
             if not task.done():
                 raise DeadlineExceeded("the commit's cleanup of restored state is still running; resume again")
         await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
-        self._resumed.append(checkpoint.checkpoint_id)
+        self._remember_resumed(checkpoint.checkpoint_id)
         self._export_failed.discard(checkpoint.checkpoint_id)
         self._open = None
         self.phase = Phase.IDLE
@@ -451,7 +503,7 @@ class ControlPlane:
             await self._within(deadline_ts, _settled(restore.task), "the restore's install")
         await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
         self._reopen_pending = False
-        self._resumed.append(checkpoint_id)
+        self._remember_resumed(checkpoint_id)
         self.phase = Phase.IDLE
         self.lease_expires_at = None
 
@@ -459,6 +511,9 @@ class ControlPlane:
         """Mark first, then stop, wait for and free the attempts."""
         if self.phase not in (Phase.IDLE, Phase.RESTORED):
             raise InvalidPhase(f"retire is refused while a checkpoint is {self.phase}: resume first")
+        self._check_restore_id(request.checkpoint_id, "retire")
+        if self.phase is Phase.RESTORED:
+            self._extend_lease(request.deadline_ts)
         keys = sorted(set(request.episode_ids))
         for key in keys:
             self.marks.mark(key)
@@ -472,15 +527,18 @@ class ControlPlane:
             task.add_done_callback(lambda done, group=group: self._retire_tasks.pop(group, None))
         await self._within(request.deadline_ts, asyncio.shield(task), "the retire")
         self._restored_keys.difference_update(keys)
-        return RetireReply(retired_count=len(keys))
+        return RetireReply(retired_count=len(keys), retired=keys)
 
     async def forget(self, request: ForgetRequest) -> ForgetReply:
         """End the refusal of these rollouts' retired attempts."""
         if self.phase not in (Phase.IDLE, Phase.RESTORED):
             raise InvalidPhase(f"forget is refused while a checkpoint is {self.phase}: resume first")
+        self._check_restore_id(request.checkpoint_id, "forget")
+        if self.phase is Phase.RESTORED:
+            self._extend_lease(request.deadline_ts)
         forgotten = self.marks.forget(request.rollout_ids)
         await self._within(request.deadline_ts, self.participant.forget(sorted(set(request.rollout_ids))), "the forget")
-        return ForgetReply(forgotten_count=forgotten)
+        return ForgetReply(forgotten_count=forgotten, forgotten=sorted(set(request.rollout_ids)))
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
         """Read, verify and install the scoped records under their next attempt."""
@@ -548,7 +606,11 @@ class ControlPlane:
             await self._fail_restore()
             raise
         self._restored_keys = set(installed_scope)
-        return RestoreReply(phase=Phase.RESTORED, source_checkpoint_id=checkpoint_id, restored=installed_scope)
+        return RestoreReply(
+            phase=Phase.RESTORED,
+            source_checkpoint_id=manifest.checkpoint_id,
+            restored=sorted(str(record["episode_id"]) for record in records),
+        )
 
     async def _install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """``participant.install``; a failure that is no gymckpt error is ``invalid_checkpoint_state`` (422).
@@ -575,8 +637,11 @@ class ControlPlane:
             if delay > 0:
                 # woken early by any lease change (a renew or prepare with an earlier deadline)
                 self._lease_changed.clear()
+                # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel (close) that
+                # arrives as the event is set, and the watcher would sleep on
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._lease_changed.wait(), timeout=min(delay, LEASE_RETRY_SECONDS))
+                    async with asyncio.timeout(min(delay, LEASE_RETRY_SECONDS)):
+                        await self._lease_changed.wait()
                 continue
             try:
                 await self.expire_lease()

@@ -58,8 +58,7 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from gymckpt.control.coordination import Coordinator
-    from gymckpt.control.models import CommitReply
+    from gymckpt.control.coordination import Coordinator, ParticipantCommit
 
 __all__ = ["run_demo"]
 
@@ -373,12 +372,11 @@ class _Demo:
             raise _Failed(f"the checkpoint failed: {exc}{stack.log_tails()}") from exc
         outcome.prepare_seconds, outcome.commit_seconds = done.prepare_seconds, done.commit_seconds
         outcome.restarts_reported = sorted(done.prepared.restarts())
-        environment: CommitReply | None = None
+        environment: ParticipantCommit | None = None
         for reply in done.commits.values():
-            _, kind, instance, _ = reply.manifest.rsplit("/", 3)
-            outcome.bytes_by_participant[f"{kind}/{instance}"] = reply.records_bytes
-            outcome.records_by_participant[f"{kind}/{instance}"] = reply.record_count
-            if kind == "environment":
+            outcome.bytes_by_participant[f"{reply.kind}/{reply.instance}"] = reply.records_bytes or 0
+            outcome.records_by_participant[f"{reply.kind}/{reply.instance}"] = reply.record_count
+            if reply.kind == "environment":
                 environment = reply
         if environment is None:
             raise _Failed("no environment participant committed")

@@ -44,7 +44,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from gymckpt.errors import GymckptError, InvalidCheckpointState, RolloutIdRequired, SessionBusy, StaleAttempt
+from gymckpt.errors import (
+    CheckpointParked,
+    GymckptError,
+    InvalidCheckpointState,
+    RolloutIdRequired,
+    SessionBusy,
+    StaleAttempt,
+)
 from gymckpt.identity import AttemptsUpTo, EpisodeId, first_keys
 from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeEnded, EpisodeRegistry, StepMode
@@ -236,6 +243,8 @@ class _AgentParticipantBase(RegistryParticipant):
             raise SessionBusy(f"{key!r} already runs an activation")
         episode = self.registry.get(key)
         if episode is None:
+            if self.registry.closed:
+                raise CheckpointParked(f"a checkpoint is open: {kind} {key!r} cannot start now; retry it after resume")
             episode = self.registry.begin(key)
             self._kinds[key] = kind
         elif self._kinds.get(key) != kind:
@@ -329,7 +338,7 @@ class AgentSessionParticipant(_AgentParticipantBase):
         super().__init__(instance=instance, now=now)
         self.hooks = hooks
 
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
+    async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
         """One record per live, exportable episode in ``scope``; session states come from one hook call."""
         boundaries = self.registry.export(scope)
         kinds = self._kinds
@@ -422,7 +431,7 @@ class RestartOnlyAgentParticipant(_AgentParticipantBase):
     def _activation(self, key: str, episode: Episode) -> PlainActivation:
         return PlainActivation(key)
 
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
+    async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
         """Nothing: a restart-only agent's rollouts start over."""
         return []
 

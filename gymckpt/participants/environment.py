@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gymckpt.errors import CheckpointConflict, InvalidCheckpointState
+from gymckpt.errors import CheckpointConflict, CheckpointParked, InvalidCheckpointState
 from gymckpt.identity import AttemptsUpTo
 from gymckpt.participants.registry_participant import RegistryParticipant
 from gymckpt.participants.steps import EpisodeRegistry
@@ -30,8 +31,21 @@ _RETIRE_CONCURRENCY = 64
 
 
 def task_digest(task: Any) -> str:
-    """sha256 of the task's canonical JSON (sorted keys): what a continued attempt must match."""
+    """sha256 of the task's canonical JSON, as the reference stack computes it: what a continued attempt must match.
+
+    Sorted keys, no spaces, ASCII with ``\\u`` escapes (``json.dumps(sort_keys=True,
+    separators=(",", ":"))``), so an episode checkpointed by either stack continues on the other.
+    """
+    return hashlib.sha256(json.dumps(task, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _legacy_task_digest(task: Any) -> str:
+    """The digest gymckpt recorded before it took the reference's (orjson, UTF-8): still accepted."""
     return hashlib.sha256(orjson.dumps(task, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _task_matches(task: Any, digest: str, recorded: str | None) -> bool:
+    return recorded == digest or (recorded is not None and recorded == _legacy_task_digest(task))
 
 
 class EnvironmentParticipant(RegistryParticipant):
@@ -52,19 +66,26 @@ class EnvironmentParticipant(RegistryParticipant):
         """The episode a ``/run`` of ``key`` runs: a restored one to continue, or a new one.
 
         Raises StaleAttempt for a retired attempt, InvalidCheckpointState when a restored
-        episode's task differs, CheckpointConflict when the attempt is already running.
+        episode's task differs, CheckpointConflict when the attempt is already running, and
+        CheckpointParked for a new episode while a checkpoint is open (the caller retries it).
         """
         self.check_attempt(key)
         digest = task_digest(task)
         episode = self.registry.get(key)
         if episode is not None:
-            if episode.restored and key not in self._continued and self._digests.get(key) != digest:
+            if (
+                episode.restored
+                and key not in self._continued
+                and not _task_matches(task, digest, self._digests.get(key))
+            ):
                 raise InvalidCheckpointState(
                     f"the task of {key!r} differs from the one its checkpoint recorded", participant=self.participant
                 )
             if not self.claim_restored(key):
                 raise CheckpointConflict(f"episode {key!r} is already running on this server")
         else:
+            if self.registry.closed:
+                raise CheckpointParked(f"a checkpoint is open: episode {key!r} cannot start now; retry it after resume")
             episode = self.registry.begin(key)
             self._digests[key] = digest
         return episode
@@ -88,13 +109,22 @@ class EnvironmentParticipant(RegistryParticipant):
         self._digests.pop(key, None)
         self._continued.discard(key)
 
+    def status_extra(self) -> dict[str, Any]:
+        """``restored_pending``: restored episodes whose replacement ``/run`` has not arrived yet."""
+        pending = sorted(
+            key
+            for key in self.registry.live_keys()
+            if key not in self._continued and (episode := self.registry.get(key)) is not None and episode.restored
+        )
+        return {"restored_pending": pending}
+
     @property
     def participant(self) -> str:
         return f"{self.kind}/{self.instance}"
 
     # --- the Participant interface
 
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
+    async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
         return [
             {"episode_id": key, "task_digest": self._digests[key], "boundary": boundary}
             for key, boundary in self.registry.export(scope).items()

@@ -246,9 +246,13 @@ class ModelParticipant(Participant):
     def add_readiness_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
+    async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
         """Nothing: an undelivered call is left out, the agent calls again after a restore."""
         return []
+
+    def commit_reply_extra(self) -> dict[str, Any]:
+        """``staging_keys``: the inference backend's staged generations a commit keeps (none without a capture ledger)."""
+        return {"staging_keys": []}
 
     async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
         """Nothing to install: a model checkpoint holds no records."""

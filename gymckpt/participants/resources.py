@@ -19,8 +19,10 @@ request as a whole, so no request body is ever inspected:
 - Replay-safe requests (``/seed_session``, and ``/verify`` when declared ``replay``) are
   admitted while admission is closed and never block readiness. Every other request
   arriving while closed waits for resume (it is not refused, and not in flight while it
-  waits); one admitted while open blocks readiness until it finishes (a running count),
-  except on a ``restart_only`` server, whose rollouts are restarts and never block.
+  waits); one admitted while open blocks readiness until it finishes (a running count).
+- A ``restart_only`` server's rollouts are restarts: they keep running through a
+  checkpoint, so its admission stays open for them (no request waits or blocks) except
+  ``/seed_session``, which waits for resume so that the set of restarts cannot change.
 - A session seeded while closed is not part of that checkpoint (neither blocks nor is
   exported, nor listed as a restart); it becomes an ordinary session on resume. A session
   a replay ``/verify`` ends while closed stays in that checkpoint until resume (the verify
@@ -143,6 +145,10 @@ class CheckpointedResources:
         """Install restored states, keyed by the next attempt's capture key."""
         if states:
             raise NotImplementedError(f"{type(self).__name__} cannot restore session states")
+
+    async def park_session_states(self, session_ids: list[str]) -> None:
+        """The controller stops after this checkpoint: free what these exported sessions hold
+        outside the process (sandboxes). Their state was stored; default: nothing to free."""
 
     async def retire_session_state(self, session_id: str) -> None:
         """Free a session's state; a session the server does not hold is not an error."""
@@ -329,11 +335,11 @@ class ResourcesParticipant(Participant):
         """Called whenever a blocking request finishes."""
         self._listeners.append(callback)
 
-    async def export(self, scope: list[str]) -> Iterable[dict[str, Any]]:
-        """``{"episode_id", "state"}`` of every scoped session still held (exported mode only)."""
+    async def export(self, scope: list[str] | None) -> Iterable[dict[str, Any]]:
+        """``{"episode_id", "state"}`` of every scoped session still held (exported mode only; None: all)."""
         if self.mode != "exported":
             return []
-        ids = [key for key in dict.fromkeys(scope) if key in self._sessions]
+        ids = list(self._sessions) if scope is None else [key for key in dict.fromkeys(scope) if key in self._sessions]
         if not ids:
             return []
         states = await self.server.export_session_states(ids)
@@ -397,8 +403,16 @@ class ResourcesParticipant(Participant):
                 self._forget(key)
 
     def status_extra(self) -> dict[str, Any]:
-        """``checkpoint_verify`` and ``checkpoint_mode``, as declared in code."""
-        return {"checkpoint_verify": self.verify, "checkpoint_mode": self.mode}
+        """``mode`` and ``verify`` (the reference's names), as declared in code."""
+        return {"mode": self.mode, "verify": self.verify}
+
+    async def park_exported(self, records: list[dict[str, Any]]) -> None:
+        """The controller stops: ``park_session_states`` frees outside compute of exported sessions still held."""
+        if self.mode != "exported":
+            return
+        held = [key for record in records if (key := record["episode_id"]) in self._sessions]
+        if held:
+            await self.server.park_session_states(held)
 
 
 class _Reply:
@@ -460,7 +474,9 @@ class ResourcesMiddleware:
         assert task is not None
         try:
             replay_safe = path == SEED_PATH or (path == VERIFY_PATH and participant.verify == "replay")
-            if not replay_safe:
+            # a restart_only server's rollouts run through a checkpoint; only new seeds wait
+            waits = path == SEED_PATH if participant.mode == "restart_only" else not replay_safe
+            if waits:
                 await participant._admit()
                 try:
                     participant.check_attempt(key)  # a retire may have marked it while the request waited

@@ -203,6 +203,11 @@ class Episode:
         finally:
             self._busy = False
 
+    @property
+    def closed(self) -> bool:
+        """True while a checkpoint holds its registry's admission closed."""
+        return self._registry.closed
+
     async def park(self) -> None:
         """Wait at the current boundary while admission is closed (e.g. before returning a result)."""
         if self._busy:
@@ -365,8 +370,8 @@ class EpisodeRegistry:
         """Capture keys of every live episode."""
         return list(self._episodes)
 
-    def export(self, scope: Collection[str]) -> dict[str, object | None]:
-        """Boundary to continue from (None: start over) of each live, exportable episode in ``scope``.
+    def export(self, scope: Collection[str] | None) -> dict[str, object | None]:
+        """Boundary to continue from (None: start over) of each live, exportable episode in ``scope`` (None: all).
 
         Restarts and retiring episodes are left out, as are keys that are not live. Meant to
         be called while admission is closed and :meth:`ready`; an episode running a replay
@@ -374,7 +379,7 @@ class EpisodeRegistry:
         """
         exported: dict[str, object | None] = {}
         episodes = self._episodes
-        for key in scope:
+        for key in episodes if scope is None else scope:
             episode = episodes.get(key)
             if episode is not None and not episode._restart and not episode._retiring:
                 exported[key] = episode.boundary

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 
 from gymckpt.control.responses import error_response
 from gymckpt.errors import DownstreamError, GymckptError
-from gymckpt.identity import EpisodeId
+from gymckpt.identity import EpisodeId, episode_key
 from gymckpt.participants.environment import EnvironmentParticipant
 from gymckpt.participants.rollout import episode_context
 from gymckpt.participants.steps import StepMode
@@ -53,9 +53,16 @@ async def run_stages(
         nonlocal state
         if episode is None:
             state = after(await run())
-        else:
-            await episode.step(mode, run, boundary=after)
-            state = dict(episode.boundary)  # type: ignore[arg-type]
+            return
+        for attempt in range(_PARKED_RETRIES):
+            try:
+                await episode.step(mode, run, boundary=after)
+                break
+            except DownstreamError as exc:
+                if exc.wire_code != "checkpoint_parked" or attempt == _PARKED_RETRIES - 1:
+                    raise
+                await _until_reopened(episode, attempt)
+        state = dict(episode.boundary)  # type: ignore[arg-type]
 
     with episode_context(episode_id):
         if state["stage"] == "seed":
@@ -102,6 +109,23 @@ async def run_stages(
     return {"reward": state.get("reward"), "response": state.get("agent", {}).get("output_text")}
 
 
+#: how often a step refused with ``checkpoint_parked`` (a downstream closed for a checkpoint) is tried again
+_PARKED_RETRIES = 40
+
+
+async def _until_reopened(episode: Episode, attempt: int) -> None:
+    """Wait to call again after a downstream refused with ``checkpoint_parked``.
+
+    The environment closes first and reopens last, so its own admission normally reopens
+    after the downstream's: the episode parks until then. If it is open (the downstream
+    closed on its own), a short backoff, doubling to 2 s.
+    """
+    if episode.closed:
+        await episode.park()
+    else:
+        await asyncio.sleep(min(0.05 * 2**attempt, 2.0))
+
+
 def build_environment_app(config: EnvironmentConfig) -> FastAPI:
     """The environment server's app; checkpointing installed only when the config enables it."""
     participant = EnvironmentParticipant(config.instance) if config.checkpoint.enabled else None
@@ -114,10 +138,10 @@ def build_environment_app(config: EnvironmentConfig) -> FastAPI:
         task = body.get("task") or {}
         task_id = task.get("task_id")
         try:
-            episode_id = EpisodeId.from_capture_key(key)
+            episode_id = EpisodeId.from_capture_key(episode_key(key))
+            episode = participant.begin_run(episode_id.capture_key, task) if participant is not None else None
         except GymckptError as exc:
             return error_response(exc)
-        episode = participant.begin_run(episode_id.capture_key, task) if participant is not None else None
         work = asyncio.create_task(run_stages(config, downstream, episode_id, task, episode))
         if participant is not None and episode is not None:
             participant.track(episode_id.capture_key, work)
@@ -132,7 +156,7 @@ def build_environment_app(config: EnvironmentConfig) -> FastAPI:
         finally:
             if participant is not None and episode is not None and work.done():
                 participant.end_run(episode_id.capture_key, episode)
-        return JSONResponse({"episode_id": episode_id.capture_key, "task_id": task_id, "result": result})
+        return JSONResponse({"episode_id": episode_id.to_wire(), "task_id": task_id, "result": result})
 
     return app
 
@@ -145,7 +169,7 @@ def _cancelling() -> bool:
 def _failure(episode_id: EpisodeId, task_id: Any, reason: str, *, terminal: bool) -> JSONResponse:
     return JSONResponse(
         {
-            "episode_id": episode_id.capture_key,
+            "episode_id": episode_id.to_wire(),
             "task_id": task_id,
             "failure": {"failure_reason": reason, "terminal": terminal},
         }

@@ -22,8 +22,7 @@ from gymckpt.stack.supervisor import Stack, load_stack
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from gymckpt.control.coordination import DiscoverResult, PrepareResult
-    from gymckpt.control.models import CommitReply, RestoreReply
+    from gymckpt.control.coordination import DiscoverResult, ParticipantCommit, ParticipantRestore, PrepareResult
 
 __all__ = [
     "CheckpointOutcome",
@@ -89,21 +88,22 @@ class CheckpointOutcome:
     directory: str
     prepared: PrepareResult
     scope: list[str]
-    commits: dict[str, CommitReply]
+    commits: dict[str, ParticipantCommit]
     prepare_seconds: float
     commit_seconds: float
     published: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bytes_written(self) -> int:
-        return sum(reply.records_bytes for reply in self.commits.values())
+        """The records' bytes, as far as the replies say (a reference server's reply does not)."""
+        return sum(reply.records_bytes or 0 for reply in self.commits.values())
 
 
 @dataclass
 class RestoreOutcome:
     """What one restore did: each Gym server's reply (none for an empty scope), and how long it took."""
 
-    replies: dict[str, RestoreReply]
+    replies: dict[str, ParticipantRestore]
     restore_seconds: float
 
 
@@ -304,7 +304,7 @@ class RolloutHarness:
         began = time.perf_counter()
         prepared = await gym.prepare(checkpoint_id, time.time() + deadline_seconds)
         prepare_seconds = time.perf_counter() - began
-        if not prepared.ready:
+        if not prepared.prepared:
             raise RuntimeError(f"prepare of {checkpoint_id} did not get ready: {prepared.blockers()}")
         scope = prepared.continued(in_flight)
         began = time.perf_counter()

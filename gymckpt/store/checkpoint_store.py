@@ -133,7 +133,9 @@ class CheckpointStore:
     ) -> Iterator[dict[str, Any]]:
         """Stream one participant's records in ``scope`` (all when None), verifying the file.
 
-        The manifest is validated before this returns. The iterator raises a typed
+        Reads gymckpt's format and the reference stack's (see :mod:`gymckpt.store.manifest`);
+        either way a record's ``episode_id`` is its capture key (``r``, ``r-aN``), and
+        ``scope`` holds capture keys. The manifest is validated before this returns. The iterator raises a typed
         :class:`~gymckpt.errors.InvalidCheckpointState` on damage, at the latest before
         it ends, so act on the records only once the iteration finished.
         """
@@ -142,7 +144,11 @@ class CheckpointStore:
         )
 
     def read_manifest(self, checkpoint_dir: str, *, kind: str, instance: str) -> Manifest:
-        """One participant's validated manifest."""
+        """One participant's validated manifest, in gymckpt's format or the reference's (:attr:`Manifest.format`).
+
+        Kind and instance may be up to 255 characters when reading (the reference sets no
+        limit); gymckpt writes at most 128.
+        """
         return load_manifest(self.backend, checkpoint_dir, kind=kind, instance=instance)
 
     def read_records(self, manifest: Manifest, *, scope: Collection[str] | None = None) -> Iterator[dict[str, Any]]:

@@ -10,6 +10,13 @@ A line from the exact path starts with ``{"episode_id": `` (a space after the co
 a fast line starts with ``{"episode_id":"``. The decoder picks its decoder from that
 prefix alone, so a big integer is never read back as a float by orjson. Both are plain
 JSON that any reader accepts.
+
+Reference-format records (read only, :func:`reference_episode_id_of_line` and
+:func:`decode_reference_record`) are ``json.dumps`` lines: ``", "`` and ``": "``
+separators, ``\\uXXXX`` escapes, ``NaN`` literals, and an episode id object
+``{"episode_id": {"rollout_id": "r", "attempt": 0}, ...}``. They are always read by the
+standard library's decoder, and their episode id is handed on as its capture key (``r``,
+``r-aN``), so the layers above see one form. gymckpt's own lines never take that path.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import orjson
 
 from gymckpt.errors import InvalidRecord, NotJSONError, RecordUndecodable
+from gymckpt.identity import episode_key
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -35,16 +43,22 @@ __all__ = [
     "decode_document",
     "decode_line",
     "decode_record",
+    "decode_reference_record",
     "encode_document",
     "encode_record",
     "episode_id_of_line",
     "is_exact_line",
+    "reference_episode_id_of_line",
 ]
 
 #: deepest nesting a record may have; deeper values are refused by name
 MAX_DEPTH = 4096
 EXACT_PREFIX = b'{"episode_id": '
 FAST_PREFIX = b'{"episode_id":"'
+#: a reference line whose episode id is an object
+OBJECT_PREFIX = b'{"episode_id": {'
+#: how far into a reference line its episode id object is looked for before the whole line is decoded
+_OBJECT_HEAD = 1024
 
 _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
 #: lists longer than this are summed in C before they are looked at item by item
@@ -375,6 +389,71 @@ def episode_id_of_line(line: bytes | memoryview) -> str:
         raise RecordUndecodable(f"line's episode_id is not a JSON string: {exc}") from exc
 
 
+def _reference_key(value: object) -> str:
+    """The capture key of a reference record's ``episode_id`` (an object, or a key string)."""
+    try:
+        return episode_key(value)
+    except ValueError as exc:
+        raise RecordUndecodable(f"line's episode_id {value!r} is not an episode id: {exc}") from exc
+
+
+def _decode_exact(data: bytes) -> object:
+    """``json.loads`` of a reference line: NaN, big integers and deep nesting included."""
+    try:
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError):
+            with _exact_context():  # an integer beyond the digit limit, or deep nesting: again, without limits
+                return json.loads(data)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        raise RecordUndecodable(f"line is not JSON: {exc}") from exc
+
+
+def _decode_reference_line(line: bytes | memoryview) -> dict[str, Any]:
+    record = _decode_exact(bytes(line))
+    if type(record) is not dict or "episode_id" not in record:
+        raise RecordUndecodable("line is not a JSON object with an 'episode_id'")
+    return record
+
+
+def reference_episode_id_of_line(line: bytes | memoryview) -> str:
+    """The capture key a reference-format line names, reading as little of the line as it can.
+
+    An ``{"episode_id": {...}`` line has its object decoded on its own; a line with a key
+    string is read like gymckpt's; any other line (an ``episode_id`` that is not the first
+    key) is decoded whole.
+    """
+    if line[:16] == OBJECT_PREFIX:
+        head = bytes(line[15:_OBJECT_HEAD])
+        end = head.find(b"}")
+        if end >= 0:
+            try:
+                value = json.loads(head[: end + 1])
+            except ValueError:
+                pass  # a "}" inside a string, or damage: the whole line decides
+            else:
+                return _reference_key(value)
+    elif line[:15] == EXACT_PREFIX or line[:15] == FAST_PREFIX:
+        return _reference_key(episode_id_of_line(line))
+    return _reference_key(_decode_reference_line(line)["episode_id"])
+
+
+def decode_reference_record(line: bytes | memoryview, episode_id: str) -> dict[str, Any]:
+    """Decode a reference-format line that :func:`reference_episode_id_of_line` read as ``episode_id``.
+
+    The record's ``episode_id`` becomes that capture key, in its place among the keys; a
+    line whose object names another episode later is damage, as in :func:`decode_record`.
+    """
+    record = _decode_reference_line(line)
+    named = _reference_key(record["episode_id"])
+    if named != episode_id:
+        raise RecordUndecodable(
+            f"line of episode {episode_id!r} names episode {named!r} too (the key 'episode_id' twice)"
+        )
+    record["episode_id"] = episode_id
+    return record
+
+
 def encode_document(document: dict[str, Any]) -> bytes:
     """Encode a small document (manifest, checkpoint index) as exact, indented, ASCII JSON.
 
@@ -384,7 +463,8 @@ def encode_document(document: dict[str, Any]) -> bytes:
 
 
 def decode_document(data: bytes) -> object:
-    """Decode a document written by :func:`encode_document` (raises ``ValueError``)."""
+    """Decode a JSON document: one :func:`encode_document` wrote, or any other encoding of it
+    (the reference's sorted keys, ``indent=1``, no trailing newline). Raises ``ValueError``."""
     try:
         with _exact_context():
             return json.loads(data)

@@ -23,9 +23,11 @@ def list_checkpoints(backend: StorageBackend) -> dict[str, CheckpointLayout]:
 
 
 def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointLayout]) -> Iterator[dict[str, Any]]:
-    """One row per participant: its manifest's counts, sizes, episodes and extras, or why it is damaged.
+    """One row per participant: its manifest's format, counts, sizes, episodes and extras, or why it is damaged.
 
     Manifests are read by the same bounded, validating read a restore uses; records are not read.
+    A reference-format manifest claims no size and lists no episodes: ``records_bytes`` and
+    ``episode_ids`` are None in its row.
     """
     for checkpoint, layout in checkpoints.items():
         for kind, instance in sorted(layout.participants):
@@ -39,11 +41,12 @@ def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointL
                 row["damaged"] = "no manifest (unfinished commit)"
             else:
                 row.update(
+                    format=manifest.format,
                     checkpoint_id=manifest.checkpoint_id,
                     record_count=manifest.record_count,
                     records_bytes=manifest.records_bytes,
                     records_file=manifest.records_file,
-                    episode_ids=list(manifest.episode_ids),
+                    episode_ids=None if manifest.episode_ids is None else list(manifest.episode_ids),
                     extra=manifest.extra,
                 )
             yield row

@@ -1,9 +1,31 @@
-"""A participant's manifest: what its records file holds, published last and never replaced."""
+"""A participant's manifest: what its records file holds, published last and never replaced.
+
+Two formats are read; gymckpt writes only its own.
+
+- **gymckpt** (:data:`GYMCKPT_FORMAT`): the reference's fields plus ``records_bytes``,
+  ``episode_ids`` (sorted) and ``writer``. Every check applies: the records file is named
+  ``records-<records_sha256>.jsonl``, its size and episode ids match.
+- **reference** (:data:`REFERENCE_FORMAT`): written by the reference stack, without those
+  three fields; any JSON object encoding (it writes sorted keys, ``indent=1``, no trailing
+  newline). Its records file may also carry the legacy name ``records.jsonl``, and its
+  records name their episode with an ``{"rollout_id", "attempt"}`` object. Digest, count,
+  one line per episode and the names are checked; size and episode ids cannot be.
+
+A manifest holding some but not all of ``records_bytes``, ``episode_ids`` and ``writer``
+is neither: gymckpt writes all three and the reference none, so it is damage
+(:class:`~gymckpt.errors.ManifestFieldInvalid`). So is a reference participant extra field
+that happens to use one of those names.
+
+Both formats require ``schema_version`` 1, the kind and instance of the directory, and a
+``checkpoint_id`` matching the checkpoint-id rule (the reference's control plane enforces
+the same rule on every id it commits).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +43,7 @@ from gymckpt.errors import (
 from gymckpt.store.backend import join
 from gymckpt.store.codec import decode_document, encode_document
 from gymckpt.store.layout import (
+    ANY_RECORDS_NAME_PATTERN,
     MANIFEST_NAME,
     NAME_PATTERN,
     RECORDS_NAME_PATTERN,
@@ -31,9 +54,12 @@ from gymckpt.store.layout import (
 )
 
 __all__ = [
+    "GYMCKPT_FORMAT",
+    "GYMCKPT_ONLY_FIELDS",
     "MANIFEST_NAME",
     "NAME_PATTERN",
     "RECORDS_NAME_PATTERN",
+    "REFERENCE_FORMAT",
     "SCHEMA_VERSION",
     "Manifest",
     "check_name",
@@ -42,8 +68,13 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+#: the format gymckpt writes
+GYMCKPT_FORMAT = "gymckpt"
+#: the reference stack's format, read only
+REFERENCE_FORMAT = "reference"
 
-_REQUIRED: dict[str, type] = {
+#: the fields of both formats, in the order gymckpt writes them
+_COMMON: dict[str, type] = {
     "schema_version": int,
     "kind": str,
     "instance": str,
@@ -51,16 +82,21 @@ _REQUIRED: dict[str, type] = {
     "records_file": str,
     "records_sha256": str,
     "record_count": int,
-    "records_bytes": int,
-    "episode_ids": list,
-    "writer": str,
 }
-RESERVED_FIELDS = frozenset(_REQUIRED)
+#: gymckpt's own fields: all present (gymckpt format) or none (reference format)
+_GYMCKPT_ONLY: dict[str, type] = {"records_bytes": int, "episode_ids": list, "writer": str}
+GYMCKPT_ONLY_FIELDS = tuple(_GYMCKPT_ONLY)
+RESERVED_FIELDS = frozenset(_COMMON) | frozenset(_GYMCKPT_ONLY)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """A parsed, validated manifest and the exact bytes it was read from or written as."""
+    """A parsed, validated manifest and the exact bytes it was read from or written as.
+
+    ``records_bytes``, ``episode_ids`` and ``writer`` are None in a reference-format
+    manifest (:attr:`format`).
+    """
 
     kind: str
     instance: str
@@ -68,13 +104,25 @@ class Manifest:
     records_file: str
     records_sha256: str
     record_count: int
-    records_bytes: int
-    episode_ids: tuple[str, ...]
-    writer: str
+    records_bytes: int | None = None
+    episode_ids: tuple[str, ...] | None = None
+    writer: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     #: store-relative path of the manifest file
     path: str = ""
     raw: bytes = b""
+    #: the top-level keys in the order the document holds them (empty: gymckpt's order)
+    key_order: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def format(self) -> str:
+        """:data:`GYMCKPT_FORMAT` or :data:`REFERENCE_FORMAT` (a manifest without gymckpt's own fields)."""
+        return GYMCKPT_FORMAT if self.writer is not None else REFERENCE_FORMAT
+
+    @property
+    def is_reference(self) -> bool:
+        """True for a manifest in the reference's format."""
+        return self.writer is None
 
     @property
     def sha256(self) -> str:
@@ -97,8 +145,12 @@ class Manifest:
         return f"{self.kind}/{self.instance}"
 
     def to_document(self) -> dict[str, Any]:
-        """The manifest as the dict it is written from (fixed fields, extras, writer)."""
-        document: dict[str, Any] = {
+        """The manifest object as stored: its fields and extras, in the stored key order.
+
+        A reference-format manifest has no ``records_bytes``, ``episode_ids`` or ``writer``
+        here either. Extras are the stored values themselves, not copies.
+        """
+        values: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
             "kind": self.kind,
             "instance": self.instance,
@@ -106,12 +158,15 @@ class Manifest:
             "records_file": self.records_file,
             "records_sha256": self.records_sha256,
             "record_count": self.record_count,
-            "records_bytes": self.records_bytes,
-            "episode_ids": list(self.episode_ids),
         }
-        document.update(self.extra)
-        document["writer"] = self.writer
-        return document
+        if not self.is_reference:
+            values["records_bytes"] = self.records_bytes
+            values["episode_ids"] = list(self.episode_ids or ())
+        values.update(self.extra)
+        if not self.is_reference:
+            values["writer"] = self.writer
+        order = self.key_order or tuple(values)
+        return {key: values[key] for key in order}
 
     @classmethod
     def build(
@@ -168,27 +223,10 @@ class Manifest:
             raise UnsupportedSchemaVersion(
                 f"manifest schema_version is {version!r}; this gymckpt reads {SCHEMA_VERSION}", **where
             )
-        for name, expected in _REQUIRED.items():
-            if name not in document:
-                raise ManifestFieldInvalid(f"manifest has no {name}", **where)
-            value = document[name]
-            if type(value) is not expected:
-                raise ManifestFieldInvalid(
-                    f"manifest field {name} is a {type(value).__name__}, not {expected.__name__}", **where
-                )
-        for name in ("record_count", "records_bytes"):
-            if document[name] < 0:
-                raise ManifestFieldInvalid(f"manifest field {name} is negative", **where)
-        episode_ids = document["episode_ids"]
-        if not all(type(item) is str and item for item in episode_ids):
-            raise ManifestFieldInvalid("manifest episode_ids holds a value that is not a non-empty string", **where)
-        for earlier, later in itertools.pairwise(episode_ids):
-            if earlier == later:
-                raise DuplicateEpisode(f"manifest lists episode {earlier!r} twice", **where)
-            if earlier > later:
-                raise ManifestFieldInvalid(
-                    f"manifest episode_ids are not sorted ({earlier!r} before {later!r})", **where
-                )
+        reference = _is_reference(document, where)
+        _check_types(document, _COMMON if reference else _COMMON | _GYMCKPT_ONLY, where)
+        if not reference:
+            _check_episode_ids(document["episode_ids"], where)
         if not is_valid_name(document["checkpoint_id"]):
             raise ManifestFieldInvalid(
                 f"manifest checkpoint_id {document['checkpoint_id']!r} is not a valid id", **where
@@ -198,35 +236,81 @@ class Manifest:
                 f"manifest names {document['kind']}/{document['instance']}, but lies in the directory of {kind}/{instance}",
                 **where,
             )
-        records_file = document["records_file"]
-        if "/" in records_file or "\\" in records_file or records_file in ("", ".", ".."):
-            raise RecordsPathEscapes(
-                f"records_file {records_file!r} is not a file in the participant directory", **where
-            )
-        if not RECORDS_NAME_PATTERN.fullmatch(records_file):
-            raise RecordsNameInvalid(
-                f"records_file {records_file!r} does not match {RECORDS_NAME_PATTERN.pattern}", **where
-            )
-        if records_file != records_name(document["records_sha256"]):
-            raise RecordsNameInvalid(
-                f"records_file {records_file!r} is not named after records_sha256 {document['records_sha256']!r}",
-                **where,
-            )
+        _check_records_file(document["records_file"], document["records_sha256"], reference=reference, where=where)
         extra = {key: value for key, value in document.items() if key not in RESERVED_FIELDS}
         manifest = cls(
             kind=kind,
             instance=instance,
             checkpoint_id=document["checkpoint_id"],
-            records_file=records_file,
+            records_file=document["records_file"],
             records_sha256=document["records_sha256"],
             record_count=document["record_count"],
-            records_bytes=document["records_bytes"],
-            episode_ids=tuple(document["episode_ids"]),
-            writer=document["writer"],
+            records_bytes=None if reference else document["records_bytes"],
+            episode_ids=None if reference else tuple(document["episode_ids"]),
+            writer=None if reference else document["writer"],
             extra=extra,
             path=path,
+            key_order=tuple(document),
         )
         return _with_raw(manifest, raw)
+
+
+def _is_reference(document: dict[str, Any], where: dict[str, str]) -> bool:
+    """True for a reference-format manifest (none of gymckpt's own fields); refuse one with some of them."""
+    present = [name for name in _GYMCKPT_ONLY if name in document]
+    if not present:
+        return True
+    if len(present) < len(_GYMCKPT_ONLY):
+        missing = [name for name in _GYMCKPT_ONLY if name not in document]
+        raise ManifestFieldInvalid(
+            f"manifest has {', '.join(present)} but no {', '.join(missing)}: a gymckpt manifest has all of "
+            f"{', '.join(_GYMCKPT_ONLY)} and a reference manifest none, so this one is neither",
+            **where,
+        )
+    return False
+
+
+def _check_types(document: dict[str, Any], required: dict[str, type], where: dict[str, str]) -> None:
+    for name, expected in required.items():
+        if name not in document:
+            raise ManifestFieldInvalid(f"manifest has no {name}", **where)
+        value = document[name]
+        if type(value) is not expected:
+            raise ManifestFieldInvalid(
+                f"manifest field {name} is a {type(value).__name__}, not {expected.__name__}", **where
+            )
+    for name in ("record_count", "records_bytes"):
+        if name in required and document[name] < 0:
+            raise ManifestFieldInvalid(f"manifest field {name} is negative", **where)
+
+
+def _check_episode_ids(episode_ids: list[Any], where: dict[str, str]) -> None:
+    if not all(type(item) is str and item for item in episode_ids):
+        raise ManifestFieldInvalid("manifest episode_ids holds a value that is not a non-empty string", **where)
+    for earlier, later in itertools.pairwise(episode_ids):
+        if earlier == later:
+            raise DuplicateEpisode(f"manifest lists episode {earlier!r} twice", **where)
+        if earlier > later:
+            raise ManifestFieldInvalid(f"manifest episode_ids are not sorted ({earlier!r} before {later!r})", **where)
+
+
+def _check_records_file(records_file: str, sha256: str, *, reference: bool, where: dict[str, str]) -> None:
+    """The records name: a file of the participant directory, named after its digest.
+
+    A reference manifest may name the legacy ``records.jsonl``; a digest in the name must
+    still be ``records_sha256`` (both writers name the file after it).
+    """
+    if "/" in records_file or "\\" in records_file or records_file in ("", ".", ".."):
+        raise RecordsPathEscapes(f"records_file {records_file!r} is not a file in the participant directory", **where)
+    pattern = ANY_RECORDS_NAME_PATTERN if reference else RECORDS_NAME_PATTERN
+    match = pattern.fullmatch(records_file)
+    if match is None:
+        raise RecordsNameInvalid(f"records_file {records_file!r} does not match {pattern.pattern}", **where)
+    named = match.group(1)
+    if named is not None and named != sha256:
+        raise RecordsNameInvalid(f"records_file {records_file!r} is not named after records_sha256 {sha256!r}", **where)
+    if named is None and not _SHA256.fullmatch(sha256):
+        raise ManifestFieldInvalid(f"manifest records_sha256 {sha256!r} is not a sha256 hex digest", **where)
 
 
 def _with_raw(manifest: Manifest, raw: bytes) -> Manifest:

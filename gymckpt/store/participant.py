@@ -17,7 +17,13 @@ from gymckpt.errors import (
     StorageError,
 )
 from gymckpt.store.backend import read_limited
-from gymckpt.store.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES, check_name, participant_directory
+from gymckpt.store.layout import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    check_name,
+    check_readable_name,
+    participant_directory,
+)
 from gymckpt.store.manifest import Manifest
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, WriteStop, read_records, write_records
 
@@ -120,8 +126,13 @@ def read_manifest_file(backend: StorageBackend, path: str, *, kind: str, instanc
 
 
 def load_manifest(backend: StorageBackend, checkpoint_dir: str, *, kind: str, instance: str) -> Manifest:
-    """Read and validate one participant's manifest (typed errors on any damage)."""
-    directory = participant_directory(checkpoint_dir, check_name("kind", kind), check_name("instance", instance))
+    """Read and validate one participant's manifest, in either format (typed errors on any damage).
+
+    Kind and instance may be as long as a reference checkpoint's (:func:`check_readable_name`).
+    """
+    directory = participant_directory(
+        checkpoint_dir, check_readable_name("kind", kind), check_readable_name("instance", instance)
+    )
     path = f"{directory}/{MANIFEST_NAME}"
     try:
         return read_manifest_file(backend, path, kind=kind, instance=instance)
@@ -143,6 +154,7 @@ def expected_records(manifest: Manifest) -> RecordsCheck:
         size=manifest.records_bytes,
         count=manifest.record_count,
         episode_ids=manifest.episode_ids,
+        reference=manifest.is_reference,
     )
 
 
@@ -155,14 +167,18 @@ def iter_manifest_records(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Stream a manifest's records, verifying the whole file (see :func:`read_records`)."""
+    """Stream a manifest's records, verifying the whole file (see :func:`read_records`).
+
+    Records of a reference-format manifest come with their ``episode_id`` as a capture key.
+    """
     expected = expected_records(manifest)
     try:
-        size = backend.size(manifest.records_path)
-        if size != manifest.records_bytes:
-            raise expected.fail(
-                RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
-            )
+        if manifest.records_bytes is not None:
+            size = backend.size(manifest.records_path)
+            if size != manifest.records_bytes:
+                raise expected.fail(
+                    RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
+                )
         stream = backend.open_read(manifest.records_path)
     except NotRegularFile as exc:
         raise expected.fail(NotRegularFile, exc.reason) from exc

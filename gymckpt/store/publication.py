@@ -1,4 +1,9 @@
-"""``<checkpoint_dir>/gym/checkpoint.json``: the index coordination publishes last, create-only."""
+"""``<checkpoint_dir>/gym/checkpoint.json``: the index coordination publishes last, create-only.
+
+gymckpt's own addition: the reference stack publishes none (its controller writes
+``collection.json`` beside ``gym/``). An index may list participants of either manifest
+format; each is listed by the sha256 of its manifest's bytes.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from gymckpt.store.layout import (
     MANIFEST_NAME,
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
-    check_name,
+    check_readable_name,
     index_path,
     is_valid_name,
 )
@@ -269,8 +274,8 @@ def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
         if type(item) is not dict:
             raise invalid("a participants entry is not an object")
         try:
-            kind = check_name("kind", item.get("kind"))
-            instance = check_name("instance", item.get("instance"))
+            kind = check_readable_name("kind", item.get("kind"))
+            instance = check_readable_name("instance", item.get("instance"))
         except ValueError as exc:
             raise invalid(str(exc)) from exc
         digest = item.get("manifest_sha256")

@@ -28,7 +28,15 @@ from gymckpt.errors import (
     RecordUndecodable,
     WriteStopped,
 )
-from gymckpt.store.codec import EncodedRecord, check_encoded, decode_record, encode_record, episode_id_of_line
+from gymckpt.store.codec import (
+    EncodedRecord,
+    check_encoded,
+    decode_record,
+    decode_reference_record,
+    encode_record,
+    episode_id_of_line,
+    reference_episode_id_of_line,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Iterator
@@ -48,6 +56,8 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+#: the read limit of a records file whose manifest claims no size
+_UNBOUNDED = 1 << 62
 _QUEUE_DEPTH = 4
 _END = object()
 
@@ -252,16 +262,22 @@ def paused_gc() -> Iterator[None]:
 
 @dataclass
 class RecordsCheck:
-    """What a records file is expected to hold (from its manifest), and who is reading it."""
+    """What a records file is expected to hold (from its manifest), and who is reading it.
+
+    A reference-format manifest claims no size and no episode ids (None: not checked), and
+    its lines name episodes by object (``reference``: read them, as capture keys).
+    """
 
     path: str
     participant: str
     #: the manifest whose claims the file is checked against (named when they contradict themselves)
     manifest_path: str
     sha256: str
-    size: int
+    size: int | None
     count: int
-    episode_ids: tuple[str, ...]
+    episode_ids: tuple[str, ...] | None
+    #: the file is in the reference's format: its lines are read by the reference decoder
+    reference: bool = False
 
     def fail(
         self, error: type[InvalidCheckpointState], detail: str, *, in_manifest: bool = False
@@ -306,15 +322,22 @@ def read_records(
 ) -> Iterator[dict[str, Any]]:
     """Yield the records in ``scope`` (all when None) while verifying the whole file.
 
-    The digest, size, line count and episode ids are checked against ``expected``
-    after the last line, before the iterator ends; damage raises a typed
+    The digest, line count, one line per episode, and the size and episode ids where
+    ``expected`` claims them, are checked after the last line, before the iterator ends; damage raises a typed
     :class:`~gymckpt.errors.InvalidCheckpointState`, so a consumer must not act on
     records before the iteration finished. Out-of-scope lines are hashed and counted
     but not decoded unless ``decode_all``. While the iterator is open the cyclic GC is
     paused (:func:`paused_gc`); it resumes when the iterator ends, is closed or dropped.
     """
-    reader = _ChunkReader(stream, chunk_size, expected.size + 1)
+    # a file longer than its manifest claims is read one byte further, no more; without a claim, to its end
+    reader = _ChunkReader(stream, chunk_size, _UNBOUNDED if expected.size is None else expected.size + 1)
     reader.start()
+    # chosen once per file: gymckpt's own lines never pay for the reference's
+    episode_of, decode = (
+        (reference_episode_id_of_line, decode_reference_record)
+        if expected.reference
+        else (episode_id_of_line, decode_record)
+    )
     episode_ids: list[str] = []
     undecodable: str | None = None
     line_number = 0
@@ -328,18 +351,18 @@ def read_records(
                     if undecodable is not None:
                         continue
                     try:
-                        episode_id = episode_id_of_line(line)
+                        episode_id = episode_of(line)
                         episode_ids.append(episode_id)
                         if scope is None or episode_id in scope:
-                            yield decode_record(line, episode_id)
+                            yield decode(line, episode_id)
                         elif decode_all:
-                            decode_record(line, episode_id)
+                            decode(line, episode_id)
                     except RecordUndecodable as exc:
                         undecodable = f"line {line_number}: {exc.reason}"
     finally:
         reader.cancel()
         reader.join()
-    if reader.size != expected.size:
+    if expected.size is not None and reader.size != expected.size:
         more = "more than " if reader.size > expected.size else ""
         raise expected.fail(
             RecordsSizeMismatch,
@@ -362,7 +385,7 @@ def read_records(
             f"records file has {line_number} records, manifest says {expected.count}",
             in_manifest=True,
         )
-    if tuple(episode_ids) != expected.episode_ids:
+    if expected.episode_ids is not None and tuple(episode_ids) != expected.episode_ids:
         extra = sorted(set(episode_ids) - set(expected.episode_ids))[:5]
         missing = sorted(set(expected.episode_ids) - set(episode_ids))[:5]
         raise expected.fail(

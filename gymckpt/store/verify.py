@@ -3,6 +3,14 @@
 Findings are typed values with a severity, collected phase by phase and never stopped
 at the first. One damage gives one error: a participant whose manifest or records are
 already reported damaged is not reported again by the checkpoint index check.
+
+Checkpoints the reference stack wrote are checked as far as their format allows, and the
+report says which format each participant is in (:attr:`ParticipantSummary.format`): a
+reference manifest claims no size and no episode ids, so those two checks are skipped and
+everything else (names, digest, count, every line, one line per episode) is checked. A
+checkpoint without ``checkpoint.json`` is normal when the reference published it: every
+intact participant is in the reference format, or its controller's ``collection.json``
+lies beside ``gym/``.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from gymckpt.errors import (
 )
 from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import backend_for_url
-from gymckpt.store.layout import GYM_DIR, MANIFEST_NAME, index_path, scan_checkpoints
+from gymckpt.store.layout import GYM_DIR, MANIFEST_NAME, REFERENCE_TEMP_PATTERN, index_path, scan_checkpoints
+from gymckpt.store.manifest import GYMCKPT_FORMAT, GYMCKPT_ONLY_FIELDS, REFERENCE_FORMAT
 from gymckpt.store.participant import expected_records, iter_manifest_records, read_manifest_file
 from gymckpt.store.publication import index_problems, read_index_file
 
@@ -33,7 +42,23 @@ if TYPE_CHECKING:
     from gymckpt.store.manifest import Manifest
     from gymckpt.store.publication import CheckpointIndex
 
-__all__ = ["Finding", "NoCheckpointFound", "Severity", "VerifyReport", "scan_checkpoints", "verify", "verify_backend"]
+__all__ = [
+    "FORMAT_NOTES",
+    "Finding",
+    "NoCheckpointFound",
+    "ParticipantSummary",
+    "Severity",
+    "VerifyReport",
+    "scan_checkpoints",
+    "verify",
+    "verify_backend",
+]
+
+#: how the report describes each manifest format
+FORMAT_NOTES = {
+    GYMCKPT_FORMAT: "gymckpt format",
+    REFERENCE_FORMAT: f"reference format (no {', '.join(GYMCKPT_ONLY_FIELDS)})",
+}
 
 
 class Severity(StrEnum):
@@ -71,6 +96,14 @@ class ParticipantSummary:
     def participant(self) -> str:
         return f"{self.kind}/{self.instance}"
 
+    @property
+    def format(self) -> str | None:
+        """The manifest's format (``gymckpt`` or ``reference``); None when it is missing or damaged."""
+        return None if self.manifest is None else self.manifest.format
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "participant": self.participant, "format": self.format}
+
 
 @dataclass
 class VerifyReport:
@@ -97,6 +130,19 @@ class VerifyReport:
         """True when no error was found (warnings are harmless leftovers)."""
         return not self.errors
 
+    @property
+    def formats(self) -> dict[str, int]:
+        """How many participants with a readable manifest are in each format."""
+        counts = {GYMCKPT_FORMAT: 0, REFERENCE_FORMAT: 0}
+        for summary in self.participants:
+            if summary.format is not None:
+                counts[summary.format] += 1
+        return counts
+
+    def format_summary(self) -> str:
+        """``2 gymckpt format, 1 reference format (no records_bytes, episode_ids, writer)``; only formats found."""
+        return ", ".join(f"{count} {FORMAT_NOTES[name]}" for name, count in self.formats.items() if count)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "url": self.url,
@@ -104,6 +150,8 @@ class VerifyReport:
             "quick": self.quick,
             "checkpoints": self.checkpoints,
             "participants": len(self.participants),
+            "formats": self.formats,
+            "participant_formats": [summary.to_dict() for summary in self.participants],
             "records_checked": self.records_checked,
             "bytes_checked": self.bytes_checked,
             "errors": len(self.errors),
@@ -162,6 +210,8 @@ class _CheckpointCheck:
         self.index: CheckpointIndex | None = None
         #: records files a valid manifest does not name: (participant key, path)
         self.orphans: list[tuple[tuple[str, str], str]] = []
+        #: sizes of records files whose manifest claims none (reference format), as the storage reports them
+        self.stat_sizes: dict[str, int] = {}
 
     def add(self, code: str, severity: Severity, path: str, detail: str, participant: str = "", fix: str = "") -> None:
         self.report.findings.append(Finding(code, severity, self.checkpoint, path, detail, participant, fix))
@@ -171,7 +221,19 @@ class _CheckpointCheck:
 
     @property
     def records_bytes(self) -> int:
-        return sum(manifest.records_bytes for manifest in self.manifests.values())
+        return sum(self.size_of(manifest) for manifest in self.manifests.values())
+
+    def size_of(self, manifest: Manifest) -> int:
+        """The records size a manifest claims; for one that claims none, the file's (0 if unreadable)."""
+        if manifest.records_bytes is not None:
+            return manifest.records_bytes
+        path = manifest.records_path
+        if path not in self.stat_sizes:
+            try:
+                self.stat_sizes[path] = 0 if path in self.irregular else self.backend.size(path)
+            except (OSError, InvalidCheckpointState):
+                self.stat_sizes[path] = 0  # missing or refused: the records check reports it
+        return self.stat_sizes[path]
 
     def scan_and_manifests(self) -> None:
         layout = self.layout
@@ -262,11 +324,12 @@ class _CheckpointCheck:
                 )
 
     def add_leftover(self, path: str, participant: str) -> None:
+        whose = " (the reference stack's)" if REFERENCE_TEMP_PATTERN.fullmatch(path.rpartition("/")[2]) else ""
         self.add(
             "leftover_temporary_file",
             Severity.WARNING,
             path,
-            "a temporary file of a write that did not finish",
+            f"a temporary file of a write that did not finish{whose}",
             participant,
             fix=f"delete {path}",
         )
@@ -313,20 +376,33 @@ class _CheckpointCheck:
                     if isinstance(exc, InvalidCheckpointState):
                         raise
                     raise expected.fail(RecordsMissing, "records file is missing") from exc
-                if size != manifest.records_bytes:
+                if manifest.records_bytes is not None and size != manifest.records_bytes:
                     raise expected.fail(
                         RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
                     )
+                checked = size
             else:
                 advance = None if progress is None else (lambda done: progress(done, total))
                 for _ in iter_manifest_records(self.backend, manifest, scope=(), decode_all=True, progress=advance):
                     pass
                 self.report.records_checked += manifest.record_count
-            self.report.bytes_checked += manifest.records_bytes
+                checked = self.size_of(manifest)
+            self.report.bytes_checked += checked
             return True
         except InvalidCheckpointState as exc:
             self.add_error(exc, manifest.participant)
             return False
+
+    def published_by_reference(self) -> bool:
+        """True when the reference stack published this checkpoint, so no ``checkpoint.json`` is expected.
+
+        Its controller's ``collection.json`` lies beside ``gym/``, or every intact
+        participant is in the reference format (which publishes no index).
+        """
+        if self.layout.collection is not None:
+            return True
+        manifests = list(self.manifests.values())
+        return bool(manifests) and all(manifest.is_reference for manifest in manifests)
 
     def index_agreement(self) -> None:
         if join(self.checkpoint, GYM_DIR) in self.irregular:
@@ -334,12 +410,13 @@ class _CheckpointCheck:
         if index_path(self.checkpoint) in self.irregular:
             return  # reported by the scan
         if self.layout.index is None:
-            self.add(
-                "checkpoint_unpublished",
-                Severity.WARNING,
-                index_path(self.checkpoint),
-                "no checkpoint.json: the checkpoint was committed but never published",
-            )
+            if not self.published_by_reference():
+                self.add(
+                    "checkpoint_unpublished",
+                    Severity.WARNING,
+                    index_path(self.checkpoint),
+                    "no checkpoint.json: the checkpoint was committed but never published",
+                )
             return
         if self.index is None:
             return  # unreadable or not a regular file: reported

@@ -190,13 +190,14 @@ class FakeParticipant(Participant):
     def add_readiness_listener(self, callback: Callable[[], None]) -> None:
         self.listeners.append(callback)
 
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
-        self._enter("export", list(scope))
+    async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
+        self._enter("export", None if scope is None else list(scope))
         if self.export_gate is not None:
             await self.export_gate.wait()
         if self.fail_export is not None:
             raise self.fail_export
-        records = [{"episode_id": key, "state": self.state[key]} for key in scope if key in self.state]
+        keys = list(self.state) if scope is None else scope
+        records = [{"episode_id": key, "state": self.state[key]} for key in keys if key in self.state]
         self.calls.append(("export_done", None))
         return records
 

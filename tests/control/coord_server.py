@@ -31,21 +31,37 @@ parks while admission is closed); ``GET /wait_parked/{n}`` (returns once n runs 
 Log ops: ``<route>:begin`` / ``<route>:end`` around every control request (end is written
 before the reply is sent), and ``close_admission``, ``open_admission``, ``export <keys>``,
 ``install <keys>``, ``retire <keys>`` from the participant.
+
+Also here, for a test to serve in its own process (:func:`gymckpt.testing.net.serve`):
+:func:`build_reference_app`, a participant that speaks only the reference stack's wire
+shapes, and :func:`build_non_participant_app`, a server without control routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from gymckpt.control.participant import Participant
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import CONTROL_PREFIX, install_control
 from gymckpt.errors import StorageError
+from gymckpt.identity import capture_key, split_capture_key
+from gymckpt.store import open_store
 from gymckpt.testing.participant import FakeParticipant
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+#: the reference's checkpoint id pattern
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 def _keys(name: str) -> list[str]:
@@ -89,8 +105,8 @@ class LoggingParticipant(FakeParticipant):
     def counts(self) -> dict[str, int]:
         return {**super().counts(), "parked": self.parked}
 
-    async def export(self, scope: list[str]) -> list[dict[str, Any]]:
-        self.log(f"export {','.join(scope)}")
+    async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
+        self.log("export *" if scope is None else f"export {','.join(scope)}")
         if self.export_delay:
             await asyncio.sleep(self.export_delay)
         return await super().export(scope)
@@ -196,4 +212,259 @@ def build_app() -> FastAPI:
     return app
 
 
-app = build_app()
+def __getattr__(name: str) -> Any:
+    """``app``: built on first use (by uvicorn, from the environment), so the module imports without it."""
+    if name == "app":
+        built = globals()["app"] = build_app()
+        return built
+    raise AttributeError(name)
+
+
+# --- a server speaking only the reference stack's wire shapes
+
+
+class ReferenceEpisodeId(BaseModel):
+    """The reference's episode id: an object only. A capture-key string does not validate (FastAPI answers 422)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rollout_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    attempt: int = Field(default=0, ge=0)
+
+    @property
+    def key(self) -> str:
+        return capture_key(self.rollout_id, self.attempt)
+
+
+ReferenceCheckpointId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+
+
+class _ReferenceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: ReferenceCheckpointId
+    deadline_ts: float
+
+
+class _ReferenceCommit(_ReferenceBody):
+    checkpoint_dir: str = Field(min_length=1)
+    episode_ids: list[ReferenceEpisodeId] | None = None
+    stop: bool = False
+
+
+class _ReferenceRestore(_ReferenceBody):
+    checkpoint_dir: str = Field(min_length=1)
+    episode_ids: list[ReferenceEpisodeId]
+
+
+class _ReferenceRetire(_ReferenceBody):
+    episode_ids: list[ReferenceEpisodeId] = Field(min_length=1)
+
+
+class _ReferenceForget(_ReferenceBody):
+    rollout_ids: list[str] = Field(min_length=1)
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, detail: str, status: int = 409) -> None:
+        super().__init__(detail)
+        self.code, self.detail, self.status = code, detail, status
+
+
+@dataclass
+class ReferenceState:
+    """What a reference-shaped server holds, and every control request it received (``requests``)."""
+
+    kind: str
+    instance: str
+    state: dict[str, Any] = field(default_factory=dict)
+    restarts: set[str] = field(default_factory=set)
+    #: episodes with a step in flight: a prepare answers ``preparing`` while any is left
+    busy: set[str] = field(default_factory=set)
+    fail_restore: bool = False
+    phase: str = "idle"
+    checkpoint_id: str | None = None
+    committed: dict[str, Any] | None = None
+    retired: set[str] = field(default_factory=set)
+    resumed: list[str] = field(default_factory=list)
+    #: (operation, body as received) for every control request, in arrival order
+    requests: list[tuple[str, Any]] = field(default_factory=list)
+
+    def report(self) -> dict[str, Any]:
+        blockers = sorted(self.busy)
+        return {
+            "ready": not blockers,
+            "blockers": blockers[:100],
+            "blocker_count": len(blockers),
+            "counts": {"live": len(self.state)},
+            "restarts": sorted(self.restarts),
+        }
+
+    def admit(self, checkpoint_id: str, phases: tuple[str, ...]) -> None:
+        if checkpoint_id in self.resumed:
+            raise _Refused("stale_checkpoint", f"checkpoint {checkpoint_id!r} was resumed")
+        if self.checkpoint_id not in (None, checkpoint_id):
+            raise _Refused("checkpoint_conflict", f"checkpoint {self.checkpoint_id!r} is open")
+        if self.phase not in phases:
+            raise _Refused("invalid_phase", f"{self.phase}: not one of {phases}")
+
+
+def build_reference_app(
+    kind: str,
+    instance: str,
+    token: str,
+    *,
+    episodes: Iterable[str] = (),
+    restarts: Iterable[str] = (),
+    fail_restore: bool = False,
+) -> FastAPI:
+    """One participant that answers only in the reference's shapes (``app.state.reference``: its state).
+
+    Bodies are the reference's models (``extra=forbid``, episode ids as objects only: a
+    string gets FastAPI's bare 422 ``{"detail": [...]}``). Replies: commit
+    ``{phase, manifest, episode_ids}`` (the model adds ``staging_keys``), resume
+    ``{phase, idempotent}``, retire ``{"retired": [keys]}``, forget ``{"forgotten": [ids]}``,
+    errors ``{"error": {"code", "detail"}}``. The checkpoint's files are written through
+    gymckpt's store (their format is not what these tests look at); records hold
+    ``{"episode_id": <key>, "state": ...}``.
+    """
+    held = ReferenceState(kind, instance, restarts=set(restarts), fail_restore=fail_restore)
+    for key in episodes:
+        held.state[key] = {"kind": kind, "key": key, "step": 1}
+    app = FastAPI()
+    app.state.reference = held
+    expected = f"Bearer {token}"
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Any:
+        if request.url.path.startswith(CONTROL_PREFIX + "/"):
+            if request.headers.get("authorization") != expected:
+                return JSONResponse({"error": {"code": "unauthorized", "detail": "bad bearer token"}}, status_code=401)
+            body = await request.body()
+            held.requests.append((request.url.path.rsplit("/", 1)[-1], json.loads(body) if body else None))
+        return await call_next(request)
+
+    @app.exception_handler(_Refused)
+    async def refused(_request: Request, exc: _Refused) -> JSONResponse:
+        return JSONResponse({"error": {"code": exc.code, "detail": exc.detail}}, status_code=exc.status)
+
+    @app.get(f"{CONTROL_PREFIX}/status")
+    async def status() -> dict[str, Any]:
+        return {
+            "kind": held.kind,
+            "instance": held.instance,
+            "phase": held.phase,
+            "checkpoint_id": held.checkpoint_id,
+            "lease_expires_at": None,
+            "retired_rollouts": len({split_capture_key(key)[0] for key in held.retired}),
+            "report": held.report(),
+        }
+
+    @app.post(f"{CONTROL_PREFIX}/prepare")
+    async def prepare(body: _ReferenceBody) -> dict[str, Any]:
+        held.admit(body.checkpoint_id, ("idle", "preparing", "prepared"))
+        held.checkpoint_id = body.checkpoint_id
+        held.phase = "preparing" if held.busy else "prepared"
+        return {"phase": held.phase, "report": held.report()}
+
+    @app.post(f"{CONTROL_PREFIX}/renew")
+    async def renew(body: _ReferenceBody) -> dict[str, Any]:
+        if held.phase == "idle":
+            raise _Refused("invalid_phase", "nothing is open")
+        held.admit(body.checkpoint_id, (held.phase,))
+        return {"lease_expires_at": body.deadline_ts + 600}
+
+    @app.post(f"{CONTROL_PREFIX}/commit")
+    async def commit(body: _ReferenceCommit) -> dict[str, Any]:
+        held.admit(body.checkpoint_id, ("prepared", "committed"))
+        if held.committed is not None:
+            return held.committed
+        scope = (
+            sorted(held.state) if body.episode_ids is None else sorted({episode.key for episode in body.episode_ids})
+        )
+        if held.restarts.intersection(scope):
+            raise _Refused("restart_in_scope", f"{sorted(held.restarts.intersection(scope))}")
+        records = [{"episode_id": key, "state": held.state[key]} for key in scope if key in held.state]
+
+        def write() -> Any:
+            with open_store(body.checkpoint_dir) as store:
+                return store.write_participant(
+                    "", kind=held.kind, instance=held.instance, checkpoint_id=body.checkpoint_id, records=records
+                )
+
+        manifest = await asyncio.to_thread(write)
+        reply: dict[str, Any] = {
+            "phase": "committed",
+            "manifest": json.loads(manifest.raw),
+            "episode_ids": sorted(record["episode_id"] for record in records),
+        }
+        if held.kind == "model":
+            reply["staging_keys"] = []
+        held.committed = reply
+        held.phase = "committed"
+        return reply
+
+    @app.post(f"{CONTROL_PREFIX}/restore")
+    async def restore(body: _ReferenceRestore) -> dict[str, Any]:
+        held.admit(body.checkpoint_id, ("idle",))
+        if held.fail_restore:
+            raise _Refused("checkpoint_error", f"{held.kind}/{held.instance}: injected restore failure")
+        scope = {episode.key for episode in body.episode_ids}
+
+        def read() -> tuple[str, list[dict[str, Any]]]:
+            with open_store(body.checkpoint_dir) as store:
+                manifest = store.read_manifest("", kind=held.kind, instance=held.instance)
+                return manifest.checkpoint_id, list(store.read_records(manifest, scope=scope))
+
+        source, records = await asyncio.to_thread(read)
+        restored = []
+        for record in records:
+            rollout, attempt = split_capture_key(record["episode_id"])
+            key = capture_key(rollout, attempt + 1)
+            held.state[key] = record["state"]
+            restored.append(key)
+        held.phase, held.checkpoint_id = "restored", body.checkpoint_id
+        return {"phase": "restored", "source_checkpoint_id": source, "restored": sorted(restored)}
+
+    @app.post(f"{CONTROL_PREFIX}/resume")
+    async def resume(body: _ReferenceBody) -> dict[str, Any]:
+        if body.checkpoint_id in held.resumed:
+            return {"phase": held.phase, "idempotent": True}
+        if held.checkpoint_id is None:
+            held.resumed.append(body.checkpoint_id)  # never seen: remembered, so a late prepare is stale
+            return {"phase": "idle", "idempotent": True}
+        held.admit(body.checkpoint_id, (held.phase,))
+        held.resumed.append(body.checkpoint_id)
+        held.phase, held.checkpoint_id, held.committed = "idle", None, None
+        return {"phase": "idle", "idempotent": False}
+
+    @app.post(f"{CONTROL_PREFIX}/retire")
+    async def retire(body: _ReferenceRetire) -> dict[str, Any]:
+        if held.phase not in ("idle", "restored"):
+            raise _Refused("invalid_phase", "resume first")
+        keys = sorted({episode.key for episode in body.episode_ids})
+        held.retired.update(keys)
+        for key in keys:
+            held.state.pop(key, None)
+        return {"retired": keys}
+
+    @app.post(f"{CONTROL_PREFIX}/forget")
+    async def forget(body: _ReferenceForget) -> dict[str, Any]:
+        if held.phase not in ("idle", "restored"):
+            raise _Refused("invalid_phase", "resume first")
+        ids = sorted(set(body.rollout_ids))
+        held.retired = {key for key in held.retired if split_capture_key(key)[0] not in ids}
+        return {"forgotten": ids}
+
+    return app
+
+
+def build_non_participant_app() -> FastAPI:
+    """A server without control routes (an auxiliary model, a relay): its status is FastAPI's 404."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app

@@ -86,9 +86,11 @@ def restore_req(checkpoint_id: str, directory: str | Path, scope: list[str], sec
     )
 
 
-def retire_req(keys: list[str], seconds: float = LONG, *, deadline_ts: float | None = None) -> RetireRequest:
+def retire_req(
+    keys: list[str], seconds: float = LONG, *, deadline_ts: float | None = None, checkpoint_id: str = "retire-1"
+) -> RetireRequest:
     return RetireRequest(
-        checkpoint_id="retire-1",
+        checkpoint_id=checkpoint_id,
         deadline_ts=deadline_ts if deadline_ts is not None else time.time() + seconds,
         episode_ids=keys,
     )
@@ -181,7 +183,7 @@ async def test_phases_idle_preparing_prepared_committed_idle(fake, ckpt_dir, sto
     assert plane.status().checkpoint_id == "c1"
 
     resumed = await bounded(plane.resume(req("c1")))
-    assert resumed == ResumeReply(phase=Phase.IDLE, checkpoint_id="c1")
+    assert resumed == ResumeReply(phase=Phase.IDLE, idempotent=False, checkpoint_id="c1")
     assert plane.phase is Phase.IDLE
     assert fake.admission_open
     status = plane.status()
@@ -422,7 +424,8 @@ async def test_commit_stores_the_records_through_the_store(fake, ckpt_dir, stora
 
     assert reply.phase is Phase.COMMITTED
     assert reply.checkpoint_id == "c1"
-    assert reply.manifest == "gym/environment/env-0/manifest.json"
+    assert reply.manifest == json.loads(raw)  # the manifest object, as written
+    assert reply.manifest_path == "gym/environment/env-0/manifest.json"
     assert reply.manifest_sha256 == hashlib.sha256(raw).hexdigest()
     assert reply.records_file == manifest.records_file
     assert reply.record_count == 2
@@ -862,13 +865,15 @@ async def test_a_repeated_resume_is_a_no_op(fake):
     await prepared(plane, "c1")
     first = await bounded(plane.resume(req("c1")))
     second = await bounded(plane.resume(req("c1")))
-    assert first == second == ResumeReply(phase=Phase.IDLE, checkpoint_id="c1")
+    assert first == ResumeReply(phase=Phase.IDLE, idempotent=False, checkpoint_id="c1")
+    assert second == ResumeReply(phase=Phase.IDLE, idempotent=True, checkpoint_id="c1")
     assert fake.count("open") == 1
 
     # a late resume of c1 while c2 is open changes nothing
     await prepared(plane, "c2")
     late = await bounded(plane.resume(req("c1")))
     assert late.checkpoint_id == "c1"
+    assert late.idempotent
     assert plane.phase is Phase.PREPARED
     assert plane.status().checkpoint_id == "c2"
     assert not fake.admission_open
@@ -889,7 +894,8 @@ async def test_an_expired_lease_resumes_by_itself(fake, ckpt_dir, open_phase):
     request = req("c1", SHORT if open_phase is Phase.PREPARING else 10.0, clock=clock)
     await bounded(plane.prepare(request))
     if open_phase is Phase.COMMITTED:
-        await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+        commit = commit_req("c1", ckpt_dir, ["a"]).model_copy(update={"deadline_ts": request.deadline_ts})
+        await bounded(plane.commit(commit))
     assert plane.phase is open_phase
     assert plane.lease_expires_at == request.deadline_ts + 600.0
 
@@ -1124,8 +1130,9 @@ async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_r
     plane = ControlPlane(fake, **storage.plane_options)  # a fresh process
     reply = await bounded(plane.restore(restore_req("c0", source, ["s-a1", "t", "r"])))
 
-    assert reply == RestoreReply(phase=Phase.RESTORED, source_checkpoint_id="c0", restored=["r-a1", "s-a2", "t-a1"])
-    assert fake.installed_scope == ["r-a1", "s-a2", "t-a1"]  # the whole scope, with or without a record
+    # restored: the attempts whose records were installed (t has none); the install sees the whole scope
+    assert reply == RestoreReply(phase=Phase.RESTORED, source_checkpoint_id="c0", restored=["r-a1", "s-a2"])
+    assert fake.installed_scope == ["r-a1", "s-a2", "t-a1"]
     assert sorted(fake.installed, key=lambda record: record["episode_id"]) == [
         {"episode_id": "r-a1", "state": {"of": "r"}},
         {"episode_id": "s-a2", "state": {"of": "s-a1"}},
@@ -1151,13 +1158,29 @@ async def test_restore_installs_the_scope_under_the_next_attempt_and_marks_the_r
     await plane.close()
 
 
-async def test_retire_and_forget_are_allowed_after_a_restore(fake, tmp_path):
+async def test_retire_and_forget_after_a_restore_carry_its_id_and_extend_its_lease(fake, tmp_path):
+    clock = FakeClock()
     seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
-    plane = ControlPlane(fake)
-    await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
+    restore = restore_req("c0", tmp_path / "source", ["a"]).model_copy(update={"deadline_ts": clock() + 10.0})
+    await bounded(plane.restore(restore))
     assert plane.phase is Phase.RESTORED
-    assert (await bounded(plane.retire(retire_req(["a-a1"])))).retired_count == 1
-    assert (await bounded(plane.forget(forget_req(["a"])))).forgotten_count == 1
+    assert plane.lease_expires_at == restore.deadline_ts + 600.0
+
+    # another id than the open restore's is a conflict, and marks nothing
+    with pytest.raises(CheckpointConflict):
+        await bounded(plane.retire(retire_req(["a-a1"], checkpoint_id="other")))
+    assert not plane.marks.is_refused("a-a1")
+    with pytest.raises(CheckpointConflict):
+        await bounded(plane.forget(forget_req(["a"])))
+
+    later = clock() + 100.0
+    reply = await bounded(plane.retire(retire_req(["a-a1"], deadline_ts=later, checkpoint_id="c0")))
+    assert reply.retired_count == 1
+    assert plane.lease_expires_at == later + 600.0
+    forget = forget_req(["a"]).model_copy(update={"checkpoint_id": "c0", "deadline_ts": later + 50.0})
+    assert (await bounded(plane.forget(forget))).forgotten_count == 1
+    assert plane.lease_expires_at == later + 650.0
     assert plane.phase is Phase.RESTORED
     await plane.close()
 
@@ -1221,12 +1244,16 @@ async def test_a_restore_retried_while_admission_is_closing_awaits_the_first(fak
     await plane.close()
 
 
-async def test_prepare_while_a_restore_is_open_is_invalid_phase(fake, tmp_path):
+async def test_prepare_while_a_restore_is_open_conflicts_with_another_id_and_is_invalid_phase_with_its_own(
+    fake, tmp_path
+):
     seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
     plane = ControlPlane(fake)
     await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
-    with pytest.raises(InvalidPhase):
+    with pytest.raises(CheckpointConflict):
         await bounded(plane.prepare(req("c1")))
+    with pytest.raises(InvalidPhase):
+        await bounded(plane.prepare(req("c0")))
     assert plane.phase is Phase.RESTORED
     await bounded(plane.resume(req("c0")))
     fake.start("b")
@@ -1249,7 +1276,7 @@ async def test_an_install_past_its_deadline_is_kept_and_retire_waits_for_it(fake
     assert not fake.admission_open
 
     retry = asyncio.create_task(plane.restore(restore_req("c0", tmp_path / "source", ["b", "a"])))
-    retire = asyncio.create_task(plane.retire(retire_req(["a-a1"])))
+    retire = asyncio.create_task(plane.retire(retire_req(["a-a1"], checkpoint_id="c0")))
     await drain()
     assert plane.marks.is_refused("a-a1")  # marked before waiting
     assert fake.count("retire") == 0
@@ -1623,23 +1650,31 @@ async def test_every_restore_closes_the_store_it_opened_whether_it_succeeds_or_f
     await plane.close()
 
 
-# --- the lease watcher follows a shorter lease at once
+# --- the lease never shrinks, and the watcher sees every lease change at once
 
 
-async def test_a_shorter_lease_wakes_the_watcher_without_waiting_for_its_old_sleep(fake):
+async def test_an_earlier_deadline_never_shortens_the_lease_and_a_lease_change_wakes_the_watcher(fake):
     clock = FakeClock()
     plane = ControlPlane(fake, clock=clock, lease_grace_seconds=600.0)
     fake.start("a")
-    await bounded(plane.prepare(req("c1", 10.0, clock=clock)))
+    first = req("c1", 10.0, clock=clock)
+    await bounded(plane.prepare(first))
     assert plane.phase is Phase.PREPARED
+    lease = first.deadline_ts + 600.0
+    assert plane.lease_expires_at == lease
+
+    # a renew (or a retried prepare) with an earlier deadline keeps the lease
+    earlier = ControlRequest(checkpoint_id="c1", deadline_ts=first.deadline_ts - 5.0)
+    assert (await bounded(plane.renew(earlier))).lease_expires_at == lease
+    await bounded(plane.prepare(earlier))
+    assert plane.lease_expires_at == lease
     await drain()  # the watcher is asleep: its lease is 610 s away, so it waits LEASE_RETRY_SECONDS (30 s)
     assert not fake.admission_open
 
-    # a renew with an earlier deadline: the lease is already over on the plane's clock
-    shorter = ControlRequest(checkpoint_id="c1", deadline_ts=clock() - 600.0 - 1.0)
-    reply = await bounded(plane.renew(shorter))
-    assert reply.lease_expires_at < clock()
-    # the watcher resumes by itself, long before its 30 s sleep would have ended
+    # the plane's clock passes the lease; a renew wakes the watcher, which resumes by itself
+    # long before its 30 s sleep would have ended
+    clock.set(lease + 1.0)
+    assert (await bounded(plane.renew(earlier))).lease_expires_at == lease
     await asyncio.wait_for(fake.opened.wait(), 5.0)
     await drain()
     assert plane.phase is Phase.IDLE

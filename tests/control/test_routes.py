@@ -185,18 +185,18 @@ def test_the_token_opens_every_route(client, fake, tmp_path):
     assert call(client, "GET", "status", headers=AUTH).json()["phase"] == "committed"
     resume = call(client, "POST", "resume", {"checkpoint_id": "c1", "deadline_ts": deadline}, headers=AUTH)
     assert resume.status_code == 200, resume.text
-    assert resume.json() == {"phase": "idle", "checkpoint_id": "c1"}
+    assert resume.json() == {"phase": "idle", "idempotent": False, "checkpoint_id": "c1"}
 
     retire = call(
         client, "POST", "retire", {"checkpoint_id": "r", "deadline_ts": deadline, "episode_ids": ["a"]}, headers=AUTH
     )
     assert retire.status_code == 200, retire.text
-    assert retire.json() == {"retired_count": 1}
+    assert retire.json() == {"retired_count": 1, "retired": ["a"]}
     forget = call(
         client, "POST", "forget", {"checkpoint_id": "f", "deadline_ts": deadline, "rollout_ids": ["a"]}, headers=AUTH
     )
     assert forget.status_code == 200, forget.text
-    assert forget.json() == {"forgotten_count": 1}
+    assert forget.json() == {"forgotten_count": 1, "forgotten": ["a"]}
 
     # a late call naming the resumed checkpoint
     stale = call(client, "POST", "prepare", {"checkpoint_id": "c1", "deadline_ts": deadline}, headers=AUTH)
@@ -256,7 +256,8 @@ def test_the_routes_and_their_models_are_in_the_openapi_schema(plane):
         checkpoint_id = model["properties"]["checkpoint_id"]
         assert checkpoint_id["pattern"] == "^[A-Za-z0-9][A-Za-z0-9._-]*$"
         assert (checkpoint_id["minLength"], checkpoint_id["maxLength"]) == (1, 128)
-    assert {"checkpoint_dir", "episode_ids"} <= set(components["CommitRequest"]["required"])
+    assert {"checkpoint_dir"} <= set(components["CommitRequest"]["required"])
+    assert not {"episode_ids", "stop"} & set(components["CommitRequest"]["required"])  # optional, as in the reference
     assert {"checkpoint_dir", "episode_ids"} <= set(components["RestoreRequest"]["required"])
     assert components["RetireRequest"]["properties"]["episode_ids"]["minItems"] == 1
     assert components["ForgetRequest"]["properties"]["rollout_ids"]["minItems"] == 1
@@ -296,8 +297,6 @@ INVALID: list[tuple[str, Any]] = [
     ("prepare", {**VALID, "checkpoint_id": 5}),
     ("prepare", {**VALID, "checkpoint_id": None}),
     ("prepare", {**VALID, "checkpoint_id": ["c1"]}),
-    ("prepare", {**VALID, "deadline_ts": -1}),
-    ("prepare", {**VALID, "deadline_ts": 0}),
     ("prepare", {**VALID, "deadline_ts": "soon"}),
     ("prepare", {**VALID, "deadline_ts": "4000000000"}),
     ("prepare", {**VALID, "deadline_ts": True}),
@@ -311,13 +310,22 @@ INVALID: list[tuple[str, Any]] = [
     ("retire", {**VALID, "episode_ids": ["a/b"]}),
     ("retire", {**VALID, "episode_ids": ["a b"]}),
     ("retire", {**VALID, "rollout_ids": ["a"]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "r", "attempt": -1}]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "r", "attempt": "1"}]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "r", "attempt": True}]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "r", "attempt": 1.5}]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "r", "attempt": 0, "session": "s"}]}),
+    ("retire", {**VALID, "episode_ids": [{"attempt": 1}]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "r-a1", "attempt": 0}]}),
+    ("retire", {**VALID, "episode_ids": [{"rollout_id": "a b"}]}),
     ("forget", {**VALID, "rollout_ids": []}),
     ("forget", {**VALID, "rollout_ids": [None]}),
     ("forget", {**VALID, "episode_ids": ["a"]}),
     ("commit", {**VALID_COMMIT, "checkpoint_dir": ""}),
     ("commit", {**VALID_COMMIT, "checkpoint_dir": "a\x00b"}),
     ("commit", {**VALID_COMMIT, "checkpoint_dir": 7}),
-    ("commit", {**VALID_COMMIT, "episode_ids": None}),
+    ("commit", {**VALID_COMMIT, "stop": "yes"}),
+    ("commit", {**VALID_COMMIT, "stop": None}),
     ("commit", {**VALID_COMMIT, "episode_ids": {"a": 1}}),
     ("commit", {k: v for k, v in VALID_COMMIT.items() if k != "checkpoint_dir"}),
     ("restore", {k: v for k, v in VALID_COMMIT.items() if k != "episode_ids"}),
@@ -441,7 +449,7 @@ WIRE = {
     errors.StaleAttempt: ("stale_attempt", 409),
     errors.RestartInScope: ("restart_in_scope", 409),
     errors.ExportFailed: ("export_failed", 409),
-    errors.AdmissionClosed: ("admission_closed", 409),
+    errors.CheckpointParked: ("checkpoint_parked", 409),
     errors.RolloutIdRequired: ("rollout_id_required", 400),
     errors.InvalidRolloutId: ("invalid_rollout_id", 400),
     errors.RolloutAttemptConflict: ("invalid_rollout_id", 400),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -458,7 +459,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         async def work() -> str:
             self.plane.marks.check(key)  # the participant refuses a retired attempt's work
             if not self.participant.admission_open:
-                raise errors.AdmissionClosed("admission is closed")
+                raise errors.CheckpointParked("admission is closed")
             rollout, _ = split_capture_key(key)
             if key not in self.participant.state and any(
                 split_capture_key(held)[0] == rollout for held in self.participant.state
@@ -476,7 +477,7 @@ class CheckpointMachine(RuleBasedStateMachine):
             self.seen("retired attempt refused")
             return
         if not self.m_admission:
-            self.expect(self.attempt(work()), errors.AdmissionClosed)
+            self.expect(self.attempt(work()), errors.CheckpointParked)
             return
         outcome = self.expect(self.attempt(work()), None)
         if outcome == "ran":
@@ -492,7 +493,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         async def begin() -> None:
             self.plane.marks.check(key)
             if not self.participant.admission_open:
-                raise errors.AdmissionClosed("admission is closed")
+                raise errors.CheckpointParked("admission is closed")
             self.participant.busy.add(key)
             self.participant.notify()
 
@@ -500,7 +501,7 @@ class CheckpointMachine(RuleBasedStateMachine):
             self.expect(self.attempt(begin()), errors.StaleAttempt)
             return
         if not self.m_admission:
-            self.expect(self.attempt(begin()), errors.AdmissionClosed)
+            self.expect(self.attempt(begin()), errors.CheckpointParked)
             return
         self.expect(self.attempt(begin()), None)
         self.m_busy.add(key)
@@ -582,7 +583,9 @@ class CheckpointMachine(RuleBasedStateMachine):
         elif self.m_open is not None and self.m_open != checkpoint_id:
             error = errors.CheckpointConflict
         elif self.m_phase is Phase.RESTORED:
-            error = errors.InvalidPhase
+            assert self.m_restore is not None
+            same = self.m_restore["id"] == checkpoint_id
+            error = errors.InvalidPhase if same else errors.CheckpointConflict
         elif checkpoint_id in self.m_export_failed:
             error = errors.ExportFailed
         opens = error is None and self.m_open is None
@@ -664,7 +667,8 @@ class CheckpointMachine(RuleBasedStateMachine):
         assert commit is not None
         manifest, records = self._expected_manifest(checkpoint_id, commit["cut"])
         assert reply.checkpoint_id == checkpoint_id
-        assert reply.manifest == manifest.path
+        assert reply.manifest == manifest.to_document()
+        assert reply.manifest_path == manifest.path
         assert reply.manifest_sha256 == manifest.sha256
         assert reply.episode_ids == sorted(key for key in set(scope) if key in dict(commit["cut"]))
         # every episode of the scope the participant held at the cut is in the records, exactly
@@ -734,6 +738,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         )
         error: type[BaseException] | None = None
         starts = False
+        extends = False  # a commit that passes the id and argument checks extends the lease
         if checkpoint_id in self.m_resumed:
             error = errors.StaleCheckpoint
         elif checkpoint_id in self.m_export_failed:
@@ -744,10 +749,11 @@ class CheckpointMachine(RuleBasedStateMachine):
             error = errors.CheckpointConflict
         else:
             assert commit is not None
-            if commit["args"] is not None and commit["args"] != args:
+            extends = commit["args"] is None or commit["args"] == args
+            if not extends:
                 error = errors.CheckpointConflict
             elif commit["status"] == "done":
-                reply = self.expect(self.attempt(self.plane.commit(request)), None)
+                reply = self._commit_call(request, None)
                 assert reply == commit["reply"]
                 self.seen("commit retried")
                 return
@@ -764,7 +770,10 @@ class CheckpointMachine(RuleBasedStateMachine):
                 else:
                     starts = True
         if error is not None:
-            self.expect(self.attempt(self.plane.commit(request)), error)
+            if extends:
+                self._commit_call(request, error)
+            else:
+                self.expect(self.attempt(self.plane.commit(request)), error)
             return
         assert commit is not None
         if starts:
@@ -780,6 +789,12 @@ class CheckpointMachine(RuleBasedStateMachine):
             self.seen("store retried after a failure")
             self._store(checkpoint_id, directory, scope, request, commit)
 
+    def _commit_call(self, request: CommitRequest, error: Any) -> Any:
+        """A commit that got past the id and argument checks: it extends the lease (never shortens it)."""
+        assert self.m_lease is not None
+        self.m_lease = max(self.m_lease, request.deadline_ts + GRACE)
+        return self.expect(self.attempt(self.plane.commit(request)), error)
+
     def _take_cut(self, commit: dict[str, Any], scope: list[str]) -> None:
         commit["cut"] = self._cut(sorted(set(scope)))
         commit["held_at_cut"] = set(self.m_state)
@@ -789,7 +804,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     ) -> None:
         """The commit runs to its end: it stores the cut (or meets a conflicting manifest)."""
         error = self._write_outcome(checkpoint_id, directory, commit)
-        reply = self.expect(self.attempt(self.plane.commit(request)), error)
+        reply = self._commit_call(request, error)
         if error is None:
             self._committed(checkpoint_id, directory, scope, reply)
         else:
@@ -814,7 +829,7 @@ class CheckpointMachine(RuleBasedStateMachine):
             self.participant.export_gate = gate
             self.participant.started["export"] = asyncio.Event()
             request = request.model_copy(update={"deadline_ts": self.clock()})
-            self.expect(self.attempt(self.plane.commit(request)), errors.DeadlineExceeded)
+            self._commit_call(request, errors.DeadlineExceeded)
             self.run(asyncio.wait_for(self.participant.started["export"].wait(), LONG))
             commit["status"] = "export_pending"
             return
@@ -822,13 +837,13 @@ class CheckpointMachine(RuleBasedStateMachine):
         if mode == "held_write":
             self.write_gate = self.plane.write_gate = WriteGate(fail=False)
             request = request.model_copy(update={"deadline_ts": self.clock()})
-            self.expect(self.attempt(self.plane.commit(request)), errors.DeadlineExceeded)
+            self._commit_call(request, errors.DeadlineExceeded)
             assert self.run(asyncio.to_thread(self.write_gate.entered.wait, LONG)), "the write never reached the gate"
             commit["status"] = "write_pending"
             return
         if mode == "failing_store":
             self.plane.write_gate = WriteGate(fail=True)
-            self.expect(self.attempt(self.plane.commit(request)), errors.StorageError)
+            self._commit_call(request, errors.StorageError)
             commit["status"] = "failed"
             return
         self._store(checkpoint_id, directory, scope, request, commit)
@@ -844,7 +859,7 @@ class CheckpointMachine(RuleBasedStateMachine):
     ) -> None:
         if not release:
             request = request.model_copy(update={"deadline_ts": self.clock()})
-            self.expect(self.attempt(self.plane.commit(request)), errors.DeadlineExceeded)
+            self._commit_call(request, errors.DeadlineExceeded)
             return
         gate = self.participant.export_gate
         assert gate is not None
@@ -866,7 +881,7 @@ class CheckpointMachine(RuleBasedStateMachine):
         assert gate is not None
         if not release:
             request = request.model_copy(update={"deadline_ts": self.clock()})
-            self.expect(self.attempt(self.plane.commit(request)), errors.DeadlineExceeded)
+            self._commit_call(request, errors.DeadlineExceeded)
             return
         gate.release()
         self.write_gate = None
@@ -904,7 +919,8 @@ class CheckpointMachine(RuleBasedStateMachine):
     # --- resume, renew, lease
 
     def _closed_checkpoint(self, checkpoint_id: str) -> None:
-        self.m_resumed.append(checkpoint_id)
+        if checkpoint_id not in self.m_resumed:
+            self.m_resumed.append(checkpoint_id)
         self.m_export_failed.discard(checkpoint_id)
         self.m_open = None
         self.m_commit = None
@@ -966,17 +982,23 @@ class CheckpointMachine(RuleBasedStateMachine):
         if self.m_phase is Phase.RESTORED:
             assert self.m_restore is not None
             if self.m_restore["id"] != checkpoint_id:
+                if checkpoint_id in self.m_resumed:
+                    reply = self.expect(self.attempt(resume(LONG)), None)
+                    assert reply.idempotent
+                    return
                 self.expect(self.attempt(resume(LONG)), errors.CheckpointConflict)
                 return
             reply = self.expect(self.attempt(resume(LONG)), None)
             self._closed_checkpoint(checkpoint_id)
             assert reply.phase == Phase.IDLE
+            assert not reply.idempotent
             return
         if self.m_open is not None:
             if self.m_open != checkpoint_id:
                 if checkpoint_id in self.m_resumed:
                     reply = self.expect(self.attempt(resume(LONG)), None)
                     assert reply.phase == self.m_phase
+                    assert reply.idempotent
                     return
                 self.expect(self.attempt(resume(LONG)), errors.CheckpointConflict)
                 return
@@ -987,8 +1009,13 @@ class CheckpointMachine(RuleBasedStateMachine):
                 self.expect(self.attempt(resume(LONG)), None)
             self._closed_checkpoint(checkpoint_id)
             return
-        reply = self.expect(self.attempt(resume(LONG)), None)  # a repeated resume: a no-op reply
+        # nothing open: a repeat or an id never seen, a no-op reply; the id is remembered (C7)
+        reply = self.expect(self.attempt(resume(LONG)), None)
         assert reply.phase == self.m_phase
+        assert reply.idempotent
+        if checkpoint_id not in self.m_resumed:
+            self.m_resumed.append(checkpoint_id)
+            self.seen("resume of an unseen id remembered")
 
     @rule(data=st.data(), action=st.sampled_from(["renew", "advance", "expire"]), seconds=st.floats(1.0, 400.0))
     def time_passes(self, data: Any, action: str, seconds: float) -> None:
@@ -1017,7 +1044,8 @@ class CheckpointMachine(RuleBasedStateMachine):
             error = errors.CheckpointConflict
         reply = self.expect(self.attempt(self.plane.renew(request)), error)
         if error is None:
-            self.m_lease = deadline + GRACE
+            assert self.m_lease is not None
+            self.m_lease = max(self.m_lease, deadline + GRACE)  # the lease never shrinks
             assert reply.lease_expires_at == self.m_lease
 
     def lease(self, expire: bool, seconds: float) -> None:
@@ -1050,18 +1078,40 @@ class CheckpointMachine(RuleBasedStateMachine):
     def retire_or_forget(self, data: Any, forget: bool, rollouts: list[str]) -> None:
         self.step()
         if forget:
-            self.forget(rollouts)
+            self.forget(data, rollouts)
         else:
             self.retire(data)
+
+    def _retire_id(self, data: Any) -> str:
+        """The id of a retire or forget: mostly the open restore's, if there is one (collection uses a fixed one)."""
+        restored = self.m_phase is Phase.RESTORED and self.m_restore is not None
+        if restored and data.draw(st.integers(0, 4), label="foreign retire id") > 0:
+            assert self.m_restore is not None
+            return str(self.m_restore["id"])
+        return "retire"
+
+    def _foreign_to_the_restore(self, checkpoint_id: str) -> bool:
+        return self.m_phase is Phase.RESTORED and self.m_restore is not None and self.m_restore["id"] != checkpoint_id
+
+    def _renews_restore(self, deadline_ts: float) -> None:
+        """A retire or forget in the restored phase extends the restore's lease (never shortens it)."""
+        if self.m_phase is Phase.RESTORED:
+            assert self.m_lease is not None
+            self.m_lease = max(self.m_lease, deadline_ts + GRACE)
 
     def retire(self, data: Any) -> None:
         held = sorted(self.m_state)
         keys = data.draw(st.lists(st.sampled_from(held), max_size=2), label="held") if held else []
         keys += data.draw(st.lists(KEYS, min_size=0 if keys else 1, max_size=2), label="other")
-        request = RetireRequest(checkpoint_id="retire", deadline_ts=self.deadline(), episode_ids=keys)
+        request = RetireRequest(checkpoint_id=self._retire_id(data), deadline_ts=self.deadline(), episode_ids=keys)
         if self.m_phase not in (Phase.IDLE, Phase.RESTORED):
             self.expect(self.attempt(self.plane.retire(request)), errors.InvalidPhase)
             return
+        if self._foreign_to_the_restore(request.checkpoint_id):
+            self.expect(self.attempt(self.plane.retire(request)), errors.CheckpointConflict)
+            self.seen("retire during a restore with another id")
+            return
+        self._renews_restore(request.deadline_ts)
         if data.draw(st.integers(0, 3), label="held retire") == 0:
             # the participant's stop outlives the retire's deadline: the marks are there already
             # (C9: marked before any deadline-limited work, and kept by a failed retire)
@@ -1069,6 +1119,7 @@ class CheckpointMachine(RuleBasedStateMachine):
             self.participant.started["retire"] = asyncio.Event()
             before = dict(self.participant.state)
             late = request.model_copy(update={"deadline_ts": self.clock()})
+            self._renews_restore(late.deadline_ts)
             self.expect(self.attempt(self.plane.retire(late)), errors.DeadlineExceeded)
             self.run(asyncio.wait_for(self.participant.started["retire"].wait(), LONG))
             for key in keys:
@@ -1086,11 +1137,15 @@ class CheckpointMachine(RuleBasedStateMachine):
         self._forget_dropped()
         self.m_restored_keys.difference_update(keys)
 
-    def forget(self, rollouts: list[str]) -> None:
-        request = ForgetRequest(checkpoint_id="forget", deadline_ts=self.deadline(), rollout_ids=rollouts)
+    def forget(self, data: Any, rollouts: list[str]) -> None:
+        request = ForgetRequest(checkpoint_id=self._retire_id(data), deadline_ts=self.deadline(), rollout_ids=rollouts)
         if self.m_phase not in (Phase.IDLE, Phase.RESTORED):
             self.expect(self.attempt(self.plane.forget(request)), errors.InvalidPhase)
             return
+        if self._foreign_to_the_restore(request.checkpoint_id):
+            self.expect(self.attempt(self.plane.forget(request)), errors.CheckpointConflict)
+            return
+        self._renews_restore(request.deadline_ts)
         reply = self.expect(self.attempt(self.plane.forget(request)), None)
         assert reply.forgotten_count == sum(rollout in self.m_marks for rollout in set(rollouts))
         for rollout in rollouts:
@@ -1199,8 +1254,9 @@ class CheckpointMachine(RuleBasedStateMachine):
                 # a retire waits for the install (C10): out of time, it has marked but not stopped
                 keys = sorted(next_key(key) for key in args[1]) or ["r0"]
                 calls = len(self.participant.arguments("retire"))
-                retire = RetireRequest(checkpoint_id="retire", deadline_ts=self.deadline(0.05), episode_ids=keys)
+                retire = RetireRequest(checkpoint_id=checkpoint_id, deadline_ts=self.deadline(0.05), episode_ids=keys)
                 self.expect(self.attempt(self.plane.retire(retire)), errors.DeadlineExceeded)
+                lease_from = max(lease_from, retire.deadline_ts)
                 assert len(self.participant.arguments("retire")) == calls, "the retire ran before the install finished"
                 for key in keys:
                     assert self.plane.marks.is_refused(key)
@@ -1214,8 +1270,11 @@ class CheckpointMachine(RuleBasedStateMachine):
         reply = self.expect(self.attempt(self.plane.restore(request)), None)
         replacements = sorted(next_key(key) for key in args[1])
         assert reply.phase == Phase.RESTORED
-        assert reply.source_checkpoint_id == checkpoint_id
-        assert reply.restored == replacements
+        # the id of the checkpoint that was read (its manifest's), whatever id the restore runs under
+        stored = json.loads((Path(directory) / PARTICIPANT_DIR / "manifest.json").read_bytes())
+        assert reply.source_checkpoint_id == stored["checkpoint_id"]
+        with_records = sorted(next_key(key) for key in args[1] if key in lines)
+        assert reply.restored == with_records  # the attempts whose records were installed
         assert self.participant.installed_scope == replacements
         # the restored records are the published ones, byte for byte, under the next attempt
         installed = self.participant.installed
@@ -1243,7 +1302,8 @@ class CheckpointMachine(RuleBasedStateMachine):
         if early_retire:
             # the retire that ran out of time is retried once the install finished: it stops and frees
             keys = replacements or ["r0"]
-            retire = RetireRequest(checkpoint_id="retire", deadline_ts=self.deadline(), episode_ids=keys)
+            retire = RetireRequest(checkpoint_id=checkpoint_id, deadline_ts=self.deadline(), episode_ids=keys)
+            self._renews_restore(retire.deadline_ts)
             self.expect(self.attempt(self.plane.retire(retire)), None)
             drop_up_to(self.m_state, keys)
             self._forget_dropped()

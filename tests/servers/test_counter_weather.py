@@ -72,7 +72,7 @@ def test_counter_protocol() -> None:
             assert (await http.post(rp("t", "/close_session"))).json() == {"closed": True}
             assert app.state.server.sessions == {}
             status = await Control(http).status()
-            assert (status["checkpoint_mode"], status["checkpoint_verify"]) == ("exported", "wait")
+            assert (status["mode"], status["verify"]) == ("exported", "wait")
             assert status["instance"] == "counter-0"
 
     run(main())
@@ -197,7 +197,7 @@ def test_weather_protocol() -> None:
             assert bad.json() == {"reward": 0.0}
             assert (await http.post(rp("r", "/close_session"))).json() == {"closed": True}
             status = await Control(http).status()
-            assert (status["checkpoint_mode"], status["checkpoint_verify"]) == ("stateless", "replay")
+            assert (status["mode"], status["verify"]) == ("stateless", "replay")
 
     run(main())
 

@@ -63,8 +63,8 @@ def test_seed_reply_headers_and_status(mode: str, verify: str, restart: str | No
             tool = await http.post(rp("r", "/tool"), json={})
             assert "x-ng-checkpoint-verify" not in tool.headers
             status = await Control(http).status()
-            assert status["checkpoint_verify"] == verify
-            assert status["checkpoint_mode"] == mode
+            assert status["verify"] == verify
+            assert status["mode"] == mode
             assert status["kind"] == "resources"
             assert status["instance"] == "gated-0"
 
@@ -99,7 +99,7 @@ def test_requests_need_a_rollout() -> None:
             assert (await http.get(f"{CONTROL}/status", headers=AUTH)).status_code == 200
             assert (await http.get(f"{CONTROL}/status")).status_code == 401
             # a malformed capture key is refused by the prefix
-            bad = await http.post(rp("r-a0", "/tool"), json={})
+            bad = await http.post(rp(".r", "/tool"), json={})
             assert bad.status_code == 400
 
     run(main())
@@ -374,8 +374,11 @@ def test_restart_only_reports_restarts_and_never_blocks(tmp_path: Path) -> None:
             assert prepared["phase"] == "prepared"
             assert prepared["report"]["ready"] is True
             assert prepared["report"]["restarts"] == ["a"]
-            # seeded while closed: not a restart of this checkpoint
-            await http.post(rp("late", "/seed_session"))
+            # a restart keeps running through the checkpoint: its requests are admitted while closed
+            assert (await bounded(http.post(rp("a", "/tool"), json={}))).status_code == 200
+            # a new seed waits for resume, so the set of restarts cannot change
+            late = asyncio.create_task(http.post(rp("late", "/seed_session")))
+            await until(lambda: participant.counts()["waiting"] == 1)
             assert participant.restarts() == ["a"]
             refused = await control.commit("c1", str(tmp_path / "c1"), ["a"])
             assert refused.status_code == 409
@@ -383,7 +386,9 @@ def test_restart_only_reports_restarts_and_never_blocks(tmp_path: Path) -> None:
             committed = await control.commit("c1", str(tmp_path / "c1"), ["late"])
             assert committed.status_code == 200, committed.text
             assert committed.json()["record_count"] == 0
+            assert not late.done()
             await control.resume("c1")
+            assert (await bounded(late)).status_code == 200
             assert sorted(participant.restarts()) == ["a", "late"]
             server.gates.open("t")
             assert (await bounded(call)).status_code == 200
@@ -406,7 +411,7 @@ def test_retire_stops_requests_frees_sessions_and_fences_the_attempt() -> None:
             await http.post(rp("other", "/seed_session"))
             call = asyncio.create_task(http.post(rp("r", "/tool"), json={"gate": "t"}))
             await bounded(server.gates.entered_event("t").wait())
-            assert (await control.retire(["r"])) == {"retired_count": 1}
+            assert (await control.retire(["r"])) == {"retired_count": 1, "retired": ["r"]}
             stopped = await bounded(call)
             assert stopped.status_code == 409
             assert error_code(stopped) == "stale_attempt"
@@ -461,7 +466,7 @@ def test_retire_covers_earlier_attempts() -> None:
             assert (await http.post(rp("x-a3", "/tool"), json={})).status_code == 200
             # forget ends the refusal
             forgot = await Control(http).call("forget", "forget", rollout_ids=["x"])
-            assert forgot.json() == {"forgotten_count": 1}
+            assert forgot.json()["forgotten_count"] == 1
             assert (await http.post(rp("x-a1", "/tool"), json={})).status_code == 200
 
     run(main())
@@ -493,7 +498,7 @@ def test_restore_installs_under_the_next_attempt(tmp_path: Path) -> None:
             # admission is closed until resume: a request of the replacement waits, a retire stops it
             waiting = asyncio.create_task(http.post(rp("b-a1", "/tool"), json={}))
             await until(lambda: participant.counts()["waiting"] == 1)
-            await control.retire(["b-a1"])
+            await control.retire(["b-a1"], checkpoint_id="c1")
             stopped = await bounded(waiting)
             assert error_code(stopped) == "stale_attempt"
             await control.resume("c1")

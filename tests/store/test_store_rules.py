@@ -16,7 +16,7 @@ from gymckpt.store import CheckpointStore, open_store, verify
 from gymckpt.store._local import LocalBackend
 from gymckpt.store._memory import MemoryBackend, clear_memory_stores
 from gymckpt.store.codec import encode_record
-from gymckpt.store.layout import check_name, is_valid_name, scan_checkpoints
+from gymckpt.store.layout import check_name, is_readable_name, is_valid_name, scan_checkpoints
 from gymckpt.testing.values import assert_identical, sample_records
 
 BAD_NAMES = ["env-0\n", "\nenv-0", "env 0", "", "-env", ".env", "a/b", "a\\b", "é", "x" * 129, "env\x00", "env\r"]
@@ -30,11 +30,16 @@ def test_one_name_rule_at_every_store_entry_point(tmp_path, name: str) -> None:
         arguments[what] = name
         with pytest.raises(ValueError, match=what):
             store.write_participant("ck", records=sample_records(1), **arguments)
-    with pytest.raises(ValueError):
+    # reading takes names up to 255 characters (the reference's checkpoints set no limit): a longer
+    # valid name is looked up, and simply not found; every other bad name is refused as a name
+    with pytest.raises(ValueError) as reading:
         list(store.read_participant("ck", kind=name, instance="e0"))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as manifest:
         store.read_manifest("ck", kind="environment", instance=name)
+    for raised in (reading, manifest):
+        assert isinstance(raised.value, errors.ParticipantNotFound) is is_readable_name(name)
     assert not is_valid_name(name)
+    assert is_readable_name(name) is (name == "x" * 129)
     assert list(tmp_path.rglob("*")) == []  # nothing was created under a bad name
 
 
