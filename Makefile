@@ -31,6 +31,7 @@ test: $(DEV_STAMP)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_S3_ARGS)
+	$(BIN)/python -m benchmarks.bench_reference $(BENCH_REFERENCE_ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks examples

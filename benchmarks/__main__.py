@@ -33,6 +33,7 @@ import orjson
 from rich.console import Console
 
 from benchmarks import primitives, rss
+from benchmarks.machine import cpu_snapshot, filesystem, others_share
 from benchmarks.peers import PEERS
 from benchmarks.report import TARGETS, evaluate, render
 from benchmarks.workloads import WORKLOADS, get_workload
@@ -109,42 +110,6 @@ def _largest_line(path: str) -> int:
         for line in stream:
             largest = max(largest, len(line))
     return largest
-
-
-def _filesystem(path: str) -> str:
-    """``fstype on device`` of the mount holding ``path`` (Linux), for the report."""
-    real = os.path.realpath(path)
-    best = ("", "?", "?")
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                device, mount_point, fstype = line.split()[:3]
-                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) >= len(best[0]):
-                    best = (mount_point, fstype, device)
-    except OSError:
-        return "?"
-    return f"{best[1]} on {best[2]} (mounted at {best[0]})"
-
-
-def _cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, this process's CPU s, the whole machine's busy CPU s), to tell how much others ran."""
-    own = os.times()
-    busy = float("nan")
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(value) for value in stat.readline().split()[1:]]
-        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-    except (OSError, ValueError, IndexError):
-        pass
-    return time.perf_counter(), own.user + own.system, busy
-
-
-def _others_share(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
-    """Fraction of all CPUs that other processes kept busy between two snapshots (NaN if unknown)."""
-    wall = end[0] - start[0]
-    others = (end[2] - start[2]) - (end[1] - start[1])
-    return max(0.0, others / (wall * (os.cpu_count() or 1))) if wall > 0 else float("nan")
 
 
 def _read_all(store: CheckpointStore, checkpoint_dir: str) -> list[dict[str, Any]]:
@@ -266,7 +231,7 @@ def run_workload(workload: Workload, args: argparse.Namespace, run_dir: str, con
         manifests: list[bytes] = []
         roundtrip: dict[str, bool] = {}
         facts: dict[str, Any] = {}
-        cpu_start = _cpu_snapshot()
+        cpu_start = cpu_snapshot()
         for rep in range(args.reps):
             rep_dir = os.path.join(run_dir, f"{workload.name}-rep{rep}")
             os.makedirs(rep_dir)
@@ -287,7 +252,7 @@ def run_workload(workload: Workload, args: argparse.Namespace, run_dir: str, con
                 f"vs primitives {timings['primitive_commit']:.2f}s, restore gymckpt "
                 f"{timings['gymckpt_restore']:.2f}s vs primitives {timings['primitive_restore']:.2f}s"
             )
-        others_cpu = _others_share(cpu_start, _cpu_snapshot())
+        others_cpu = others_share(cpu_start, cpu_snapshot())
         if len(manifests) < 2:  # one repetition: commit once more (untimed) for the determinism check
             again_dir = os.path.join(run_dir, f"{workload.name}-again")
             store = open_store(again_dir)
@@ -353,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "cold": args.cold,
             "peers": args.peers,
             "dir": run_dir,
-            "filesystem": _filesystem(run_dir),
+            "filesystem": filesystem(run_dir),
             "python": platform.python_version(),
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

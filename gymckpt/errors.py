@@ -34,6 +34,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     │   ├── InvalidPhase                         409 invalid_phase
     │   ├── DeadlineExceeded (TimeoutError)      409 deadline_exceeded
     │   ├── StaleAttempt                         409 stale_attempt: a retired attempt's request
+    │   ├── RetireIncomplete                     409 retire_incomplete: forget while a retire still frees
     │   ├── RestartInScope                       409 restart_in_scope
     │   ├── ExportFailed                         409 export_failed: this checkpoint id is over
     │   ├── CheckpointParked                     409 checkpoint_parked: new work while a checkpoint is open
@@ -124,6 +125,7 @@ __all__ = [
     "RolloutIdRequired",
     "ServerCallFailed",
     "SessionBusy",
+    "RetireIncomplete",
     "StaleAttempt",
     "StaleCheckpoint",
     "StorageError",
@@ -317,6 +319,12 @@ class DeadlineExceeded(ControlError, TimeoutError):
 
 class StaleAttempt(ControlError):
     code = "stale_attempt"
+
+
+class RetireIncomplete(ControlError):
+    """A forget of rollouts whose retire is still stopping and freeing them; retry after it finished."""
+
+    code = "retire_incomplete"
 
 
 class RestartInScope(ControlError):
@@ -526,6 +534,7 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         InvalidPhase,
         DeadlineExceeded,
         StaleAttempt,
+        RetireIncomplete,
         RestartInScope,
         ExportFailed,
         CheckpointParked,

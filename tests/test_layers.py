@@ -66,5 +66,7 @@ def test_no_module_imports_a_layer_above_its_own(path: Path) -> None:
 
 def test_the_store_imports_nothing_of_the_others() -> None:
     for path in sorted((PACKAGE / "store").rglob("*.py")):
-        others = [module for module in _imports(path) if _layer(module) not in ("store", "identity", "errors", "_version")]
+        others = [
+            module for module in _imports(path) if _layer(module) not in ("store", "identity", "errors", "_version")
+        ]
         assert others == [], f"{path.relative_to(PACKAGE)} imports {others}"

@@ -27,20 +27,19 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import orjson
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
 from gymckpt import errors
 from gymckpt.control.models import Phase, PrepareReply
+from gymckpt.control.replies import ParticipantCommit, ParticipantRestore, counter, failed, parser, reply_error
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
 from gymckpt.identity import EpisodeId, episode_key, episode_object
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_document
-from gymckpt.store.layout import MANIFEST_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -97,14 +96,6 @@ def _key_of(episode: object) -> str:
 def _scope_keys(episode_ids: Iterable[EpisodeLike]) -> list[str]:
     """Sorted, de-duplicated capture keys."""
     return sorted({_key_of(episode) for episode in episode_ids})
-
-
-def _reply_key(value: object) -> object:
-    """A key in a reply: servers send capture keys; an object is read as one too."""
-    return episode_key(value) if isinstance(value, dict) else value
-
-
-ReplyKey = Annotated[str, BeforeValidator(_reply_key)]
 
 
 def _encode(body: dict[str, Any]) -> bytes:
@@ -185,69 +176,6 @@ class PrepareResult:
         return [key for key in _scope_keys(episode_ids) if key not in restarts]
 
 
-class _Reply(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-
-#: the manifest fields a commit reply takes from its manifest when it does not carry them itself (and that
-#: a flat reply, gymckpt's before its wire-conformance work, carried instead of the manifest object)
-_MANIFEST_FIELDS = ("kind", "instance", "checkpoint_id", "records_file", "record_count", "records_bytes")
-
-
-class ParticipantCommit(_Reply):
-    """One participant's commit reply, in gymckpt's shape or the reference's.
-
-    The reference sends ``{phase, manifest, episode_ids}`` (plus participant extras such
-    as the model's ``staging_keys``, kept as extra fields); gymckpt adds ``kind``,
-    ``instance``, ``manifest_path``, ``manifest_sha256``, ``records_bytes`` and more. What a
-    reply lacks is taken from its manifest; ``manifest_path`` defaults to the layout's
-    ``gym/<kind>/<instance>/manifest.json``. ``manifest_sha256`` and ``records_bytes`` are
-    None when neither the reply nor its manifest carries them.
-    """
-
-    phase: str
-    manifest: dict[str, Any]
-    episode_ids: list[ReplyKey]
-    kind: str
-    instance: str
-    checkpoint_id: str
-    records_file: str
-    record_count: int
-    records_bytes: int | None = None
-    manifest_path: str
-    manifest_sha256: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fill_from_manifest(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        manifest = data.get("manifest")
-        if isinstance(manifest, str):  # the flat shape: ``manifest`` was the manifest's path
-            data.setdefault("manifest_path", manifest)
-            manifest = data["manifest"] = {name: data[name] for name in _MANIFEST_FIELDS if name in data}
-        if isinstance(manifest, dict):
-            for name in _MANIFEST_FIELDS:
-                if name not in data and name in manifest:
-                    data[name] = manifest[name]
-            if (
-                "manifest_path" not in data
-                and isinstance(data.get("kind"), str)
-                and isinstance(data.get("instance"), str)
-            ):
-                data["manifest_path"] = f"gym/{data['kind']}/{data['instance']}/{MANIFEST_NAME}"
-        return data
-
-
-class ParticipantRestore(_Reply):
-    """One participant's restore reply: the checkpoint it read, and the attempts it installed (capture keys)."""
-
-    phase: str
-    source_checkpoint_id: str
-    restored: list[ReplyKey]
-
-
 def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], restarts: Iterable[str]) -> list[str]:
     """The outstanding ``/run`` calls to wait for before building the checkpoint's rollout set.
 
@@ -258,71 +186,7 @@ def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], resta
     return sorted(key for key in outstanding if key not in skip)
 
 
-# --- replies
-
-
-def _parser(model: type[BaseModel]) -> Callable[[str, str, dict[str, Any]], Any]:
-    """Validate a reply as ``model``; a reply that does not fit is that server's failure."""
-
-    def parse(url: str, operation: str, reply: dict[str, Any]) -> Any:
-        try:
-            return model.model_validate(reply)
-        except ValidationError as exc:
-            raise _failed(url, f"{operation} reply does not fit {model.__name__}: {exc}") from exc
-
-    return parse
-
-
-def _counter(count_field: str, list_field: str) -> Callable[[str, str, dict[str, Any]], int]:
-    """Read ``{count_field: n}`` (gymckpt, the design texts) or ``{list_field: [...]}`` (reference code)."""
-
-    def parse(url: str, operation: str, reply: dict[str, Any]) -> int:
-        count = reply.get(count_field)
-        if type(count) is int:
-            return count
-        listed = reply.get(list_field)
-        if isinstance(listed, list):
-            return len(listed)
-        raise _failed(url, f"{operation} reply has neither {count_field} nor {list_field}: {reply!r:.200}")
-
-    return parse
-
-
-def _failed(url: str, detail: str) -> errors.ServerCallFailed:
-    failure = errors.ServerCallFailed(f"{url}: {detail}")
-    failure.server = url  # type: ignore[attr-defined]
-    failure.wire_code = None  # type: ignore[attr-defined]
-    failure.http_status = None  # type: ignore[attr-defined]
-    return failure
-
-
-def _reply_error(url: str, operation: str, status: int, raw: bytes) -> errors.GymckptError:
-    """The typed error of a non-2xx reply: by its wire code, or FastAPI's bare 422 as InvalidRequest."""
-    try:
-        payload: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        payload = None
-    envelope = payload.get("error") if isinstance(payload, dict) else None
-    code: str | None = None
-    if isinstance(envelope, dict) and "code" in envelope:
-        code = str(envelope["code"])
-        cls = errors.error_for_code(code) or errors.ServerCallFailed
-        detail = str(envelope.get("detail", ""))
-    elif status == 422 and isinstance(payload, dict) and "detail" in payload:
-        # FastAPI's own validation reply (a reference server's): no envelope, the status says it
-        cls = errors.InvalidRequest
-        detail = orjson.dumps(payload["detail"]).decode()[:500]
-    else:
-        cls = errors.ServerCallFailed
-        detail = repr(raw[:200]) if payload is None else orjson.dumps(payload).decode()[:200]
-    raised = cls(f"{url}: {operation} answered {status}{f' {code}' if code else ''}: {detail}")
-    raised.server = url  # type: ignore[attr-defined]
-    raised.wire_code = code  # type: ignore[attr-defined]
-    raised.http_status = status  # type: ignore[attr-defined]
-    return raised
-
-
-def _connection_failed(exc: BaseException) -> bool:
+def _connectionfailed(exc: BaseException) -> bool:
     """A failure to connect or a dropped connection (worth another try), not a silent server."""
     cause = exc.__cause__
     return isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError)
@@ -483,17 +347,17 @@ class Coordinator:
                 raw = await response.read()
                 status = response.status
         except TimeoutError as exc:
-            raise _failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
+            raise failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
         except aiohttp.ClientError as exc:
-            raise _failed(url, f"{op} failed: {exc}") from exc
+            raise failed(url, f"{op} failed: {exc}") from exc
         if status >= 400:
-            raise _reply_error(url, op, status, raw)
+            raise reply_error(url, op, status, raw)
         try:
             payload = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise _failed(url, f"{op} replied {status} with a body that is not JSON") from exc
+            raise failed(url, f"{op} replied {status} with a body that is not JSON") from exc
         if not isinstance(payload, dict):
-            raise _failed(url, f"{op} replied {status} with a JSON {type(payload).__name__}, not an object")
+            raise failed(url, f"{op} replied {status} with a JSON {type(payload).__name__}, not an object")
         return payload
 
     async def _fan_out(
@@ -583,13 +447,13 @@ class Coordinator:
                     return None
                 pause = min(self.probe_backoff * 2**attempt, self.probe_backoff_max)
                 last_try = attempt + 1 >= tries or time.monotonic() + pause >= give_up
-                if last_try or not _connection_failed(exc):
+                if last_try or not _connectionfailed(exc):
                     raise
                 await self._pause(pause)
                 continue
             kind = status.get("kind")
             if kind not in KIND_ORDER:
-                raise _failed(url, f"unknown participant kind {kind!r}")
+                raise failed(url, f"unknown participant kind {kind!r}")
             return ParticipantInfo(url, kind, str(status.get("instance")))
         raise AssertionError("unreachable: the last try returns or raises")  # pragma: no cover
 
@@ -609,7 +473,7 @@ class Coordinator:
         replies: dict[str, PrepareReply] = {}
         for kind in KIND_ORDER:
             stage = await self._fan_out(
-                "prepare", self._participants([kind]), encoded, deadline_ts, _parser(PrepareReply)
+                "prepare", self._participants([kind]), encoded, deadline_ts, parser(PrepareReply)
             )
             replies.update(stage)
             if any(reply.phase != Phase.PREPARED for reply in stage.values()):
@@ -645,7 +509,7 @@ class Coordinator:
             "stop": stop,
         }
         return await self._fan_out(
-            "commit", self._participants(), _encode(body), deadline_ts, _parser(ParticipantCommit)
+            "commit", self._participants(), _encode(body), deadline_ts, parser(ParticipantCommit)
         )
 
     async def publish(
@@ -723,7 +587,7 @@ class Coordinator:
         }
         urls = self._participants()
         try:
-            return await self._fan_out("restore", urls, _encode(body), deadline_ts, _parser(ParticipantRestore))
+            return await self._fan_out("restore", urls, _encode(body), deadline_ts, parser(ParticipantRestore))
         except errors.CoordinationError:
             await self._undo_restore(checkpoint_id, deadline_ts, scope)
             raise
@@ -753,7 +617,7 @@ class Coordinator:
             "deadline_ts": deadline_ts,
             "episode_ids": [episode_object(key) for key in keys],
         }
-        return await self._in_retire_order("retire", _encode(body), deadline_ts, _counter("retired_count", "retired"))
+        return await self._in_retire_order("retire", _encode(body), deadline_ts, counter("retired_count", "retired"))
 
     async def forget(self, rollout_ids: Iterable[str], *, checkpoint_id: str, deadline_ts: float) -> int:
         """End the refusal of these rollouts everywhere, in retire's order; return the total count.
@@ -765,7 +629,7 @@ class Coordinator:
             return 0
         body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "rollout_ids": ids}
         return await self._in_retire_order(
-            "forget", _encode(body), deadline_ts, _counter("forgotten_count", "forgotten")
+            "forget", _encode(body), deadline_ts, counter("forgotten_count", "forgotten")
         )
 
     async def _in_retire_order(

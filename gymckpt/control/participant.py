@@ -132,6 +132,13 @@ class Participant(ABC):
         """
         await self.retire(episode_ids)
 
+    def live_work(self) -> list[str]:
+        """Capture keys of the work this process already serves (a restore refuses to run over it).
+
+        Default: none; a participant that holds episodes or sessions lists them.
+        """
+        return []
+
     async def park_exported(self, records: list[dict[str, Any]]) -> None:
         """The controller stops after this checkpoint (commit ``stop``): free what the exported
         episodes hold outside this process. Called once, after the write is durable; a failure

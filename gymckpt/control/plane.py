@@ -30,6 +30,7 @@ from gymckpt.control.models import (
 )
 from gymckpt.errors import (
     CheckpointConflict,
+    ControlError,
     DeadlineExceeded,
     ExportFailed,
     GymckptError,
@@ -37,10 +38,11 @@ from gymckpt.errors import (
     InvalidPhase,
     InvalidRolloutId,
     RestartInScope,
+    RetireIncomplete,
     StaleCheckpoint,
     UnsupportedStorage,
 )
-from gymckpt.identity import capture_key, first_keys, split_capture_key
+from gymckpt.identity import AttemptsUpTo, capture_key, first_keys, split_capture_key
 from gymckpt.store import WriteStop, open_store
 from gymckpt.store.layout import check_name
 
@@ -534,6 +536,14 @@ class ControlPlane:
         if self.phase not in (Phase.IDLE, Phase.RESTORED):
             raise InvalidPhase(f"forget is refused while a checkpoint is {self.phase}: resume first")
         self._check_restore_id(request.checkpoint_id, "forget")
+        rollouts = set(request.rollout_ids)
+        freeing = sorted(
+            {rollout for group in self._retire_tasks for rollout in AttemptsUpTo(group).snapshot()} & rollouts
+        )
+        if freeing:
+            raise RetireIncomplete(
+                f"a retire of {first_keys(freeing)} is still stopping and freeing them; forget them once it finished"
+            )
         if self.phase is Phase.RESTORED:
             self._extend_lease(request.deadline_ts)
         forgotten = self.marks.forget(request.rollout_ids)
@@ -560,6 +570,12 @@ class ControlPlane:
             await self._within(request.deadline_ts, _settled(previous.task), "the previous restore's install")
         if not self._fresh or self._open is not None or self.phase is not Phase.IDLE:
             raise InvalidPhase("restore runs only in a fresh process, before any checkpoint")
+        live = self.participant.live_work()
+        if live:
+            raise ControlError(
+                f"restore runs only in a fresh process: {self.participant.kind}/{self.participant.instance} "
+                f"already serves {first_keys(live)}"
+            )
         rollouts: dict[str, str] = {}
         for key in args[1]:
             rollout, attempt = split_capture_key(key)

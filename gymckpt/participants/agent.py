@@ -219,6 +219,10 @@ class _AgentParticipantBase(RegistryParticipant):
         counts["activations"] = len(self._active)
         return counts
 
+    def status_extra(self) -> dict[str, Any]:
+        """``accepting``: whether a new session may start now (False while a checkpoint is open)."""
+        return {"accepting": not self.registry.closed}
+
     # ----------------------------------------------------------------- activations
 
     async def run(self, key: str | None, body: Callable[[PlainActivation], Awaitable[T]], *, kind: str = SESSION) -> T:

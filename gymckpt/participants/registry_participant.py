@@ -42,3 +42,7 @@ class RegistryParticipant(Participant):
 
     def add_readiness_listener(self, callback: Callable[[], None]) -> None:
         self.registry.add_listener(callback)
+
+    def live_work(self) -> list[str]:
+        """Every live episode (a restore refuses to run over them)."""
+        return sorted(self.registry.live_keys())

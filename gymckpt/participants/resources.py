@@ -320,6 +320,10 @@ class ResourcesParticipant(Participant):
         """A restart_only server's live sessions (not those seeded while closed)."""
         return list(self._sessions) if self.mode == "restart_only" else []
 
+    def live_work(self) -> list[str]:
+        """Sessions held and requests in flight (a restore refuses to run over them)."""
+        return sorted({*self._sessions, *self._late, *self._tasks})
+
     def counts(self) -> dict[str, int]:
         """Sessions, late sessions, requests running / blocking / waiting for resume, restarts."""
         return {

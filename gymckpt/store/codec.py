@@ -397,8 +397,26 @@ def _reference_key(value: object) -> str:
         raise RecordUndecodable(f"line's episode_id {value!r} is not an episode id: {exc}") from exc
 
 
-def _decode_exact(data: bytes) -> object:
-    """``json.loads`` of a reference line: NaN, big integers and deep nesting included."""
+#: every digit as ``0``, everything else as a space: a run of 19 zeros after it is 19 digits in a row,
+#: which may be an integer beyond 64 bits (orjson would read it as a float). Found in a few ms per
+#: MB of digits, where a regex takes ten times longer.
+_DIGITS_AS_ZEROS = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x20 for byte in range(256))
+_LONG_DIGIT_RUN = b"0" * 19
+
+
+def _decode_exact(data: bytes | memoryview) -> object:
+    """A reference line decoded exactly: NaN, big integers and deep nesting included.
+
+    orjson when it is exact (it refuses NaN, infinities, lone surrogates and deep nesting,
+    and only integers beyond 64 bits would lose digits, so a line with 19 digits in a row
+    goes to the stdlib decoder); the stdlib decoder otherwise.
+    """
+    data = bytes(data)
+    if data.translate(_DIGITS_AS_ZEROS).find(_LONG_DIGIT_RUN) < 0:
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass  # the stdlib decides: it reads what orjson refuses, or refuses it too
     try:
         try:
             return json.loads(data)
@@ -410,7 +428,7 @@ def _decode_exact(data: bytes) -> object:
 
 
 def _decode_reference_line(line: bytes | memoryview) -> dict[str, Any]:
-    record = _decode_exact(bytes(line))
+    record = _decode_exact(line)
     if type(record) is not dict or "episode_id" not in record:
         raise RecordUndecodable("line is not a JSON object with an 'episode_id'")
     return record
@@ -428,7 +446,7 @@ def reference_episode_id_of_line(line: bytes | memoryview) -> str:
         end = head.find(b"}")
         if end >= 0:
             try:
-                value = json.loads(head[: end + 1])
+                value = orjson.loads(head[: end + 1])  # an attempt beyond 64 bits is refused either way
             except ValueError:
                 pass  # a "}" inside a string, or damage: the whole line decides
             else:

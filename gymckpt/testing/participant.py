@@ -75,6 +75,7 @@ class FakeParticipant(Participant):
         self.fail_retire: BaseException | None = None
         self.fail_delete: BaseException | None = None
         self.fail_forget: BaseException | None = None
+        self.fail_park: BaseException | None = None
         #: the open_admission failure is raised once, then cleared
         self.fail_open_once = False
         #: set whenever admission reopened successfully
@@ -245,6 +246,14 @@ class FakeParticipant(Participant):
             raise self.fail_forget
         self.forgotten.append(list(rollout_ids))
         self.calls.append(("forget_done", None))
+
+    def live_work(self) -> list[str]:
+        return sorted(self.state)
+
+    async def park_exported(self, records: list[dict[str, Any]]) -> None:
+        self._enter("park", [record["episode_id"] for record in records])
+        if self.fail_park is not None:
+            raise self.fail_park
 
     def manifest_extra(self) -> dict[str, Any]:
         return dict(self.extra_manifest)

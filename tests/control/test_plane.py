@@ -37,12 +37,14 @@ from gymckpt.control.plane import ControlPlane
 from gymckpt.errors import (
     CheckpointConflict,
     CheckpointDirNotAllowed,
+    ControlError,
     DeadlineExceeded,
     ExportFailed,
     GymckptError,
     InvalidCheckpointState,
     InvalidPhase,
     RestartInScope,
+    RetireIncomplete,
     StaleAttempt,
     StaleCheckpoint,
     UnusableDirectory,
@@ -880,6 +882,101 @@ async def test_a_repeated_resume_is_a_no_op(fake):
     assert fake.count("open") == 1
     await bounded(plane.resume(req("c2")))
     assert fake.admission_open
+    await plane.close()
+
+
+# --- restore over live work; forget while a retire frees
+
+
+async def test_restore_refuses_a_process_that_already_serves_work(fake, tmp_path):
+    seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "a", "state": {}}], fake=fake)
+    plane = ControlPlane(fake)
+    fake.start("z")  # never prepared, but it serves an episode: not a fresh process
+    with pytest.raises(ControlError) as refused:
+        await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["a"])))
+    assert (refused.value.code, refused.value.status) == ("checkpoint_error", 409)
+    assert "'z'" in str(refused.value)
+    assert plane.phase is Phase.IDLE and fake.count("install") == 0
+    assert not plane.marks.is_refused("a")  # refused before it marked anything
+    await plane.close()
+
+
+async def test_forget_while_a_retire_still_frees_its_rollout_is_retire_incomplete(fake):
+    plane = ControlPlane(fake)
+    fake.start("a")
+    fake.start("b")
+    fake.retire_gate = asyncio.Event()
+    retire = asyncio.create_task(plane.retire(retire_req(["a-a1"])))
+    await asyncio.wait_for(fake.started["retire"].wait(), 5)
+    with pytest.raises(RetireIncomplete):
+        await bounded(plane.forget(forget_req(["a"])))
+    assert plane.marks.is_refused("a-a1")  # the refusal stays
+    assert (await bounded(plane.forget(forget_req(["b"])))).forgotten_count == 0  # another rollout: fine
+    fake.retire_gate.set()
+    assert (await bounded(retire)).retired_count == 1
+    assert (await bounded(plane.forget(forget_req(["a"])))).forgotten_count == 1
+    await plane.close()
+
+
+# --- the reference's commit: stop, no scope; resume of an unseen id
+
+
+async def test_a_commit_with_stop_parks_the_exported_episodes_once_and_a_failure_keeps_the_commit(fake, ckpt_dir):
+    plane = ControlPlane(fake)
+    fake.start("a")
+    fake.start("b")
+    await prepared(plane, "c1")
+    fake.fail_park = RuntimeError("the sandbox service is down")
+    stopping = commit_req("c1", ckpt_dir, ["a"]).model_copy(update={"stop": True})
+    reply = await bounded(plane.commit(stopping))
+    assert reply.phase is Phase.COMMITTED and reply.episode_ids == ["a"]
+    assert fake.arguments("park") == [["a"]]  # the exported records, after the durable write
+    assert fake.names().index("park") > fake.names().index("export_done")
+    assert await bounded(plane.commit(stopping)) == reply  # a retry parks no second time
+    assert fake.count("park") == 1
+    assert plane.phase is Phase.COMMITTED
+    await bounded(plane.resume(req("c1")))
+    await plane.close()
+
+
+async def test_a_commit_without_stop_parks_nothing(fake, ckpt_dir):
+    plane = ControlPlane(fake)
+    fake.start("a")
+    await prepared(plane, "c1")
+    await bounded(plane.commit(commit_req("c1", ckpt_dir, ["a"])))
+    assert fake.count("park") == 0
+    await plane.close()
+
+
+async def test_a_commit_without_a_scope_exports_every_live_episode_and_deletes_no_restored_state(fake, tmp_path):
+    seed_checkpoint(tmp_path / "source", "c0", [{"episode_id": "r", "state": {"of": "r"}}], fake=fake)
+    plane = ControlPlane(fake)
+    await bounded(plane.restore(restore_req("c0", tmp_path / "source", ["r"])))
+    await bounded(plane.resume(req("c0")))
+    fake.start("a")
+    await prepared(plane, "c1")
+    unscoped = commit_req("c1", tmp_path / "c1", []).model_copy(update={"episode_ids": None})
+    reply = await bounded(plane.commit(unscoped))
+    assert reply.episode_ids == ["a", "r-a1"]  # everything live, the restored episode too
+    assert fake.arguments("export") == [None]
+    assert fake.count("delete_restored") == 0
+    # a retry with a scope is another commit: refused
+    with pytest.raises(CheckpointConflict):
+        await bounded(plane.commit(commit_req("c1", tmp_path / "c1", ["a"])))
+    await plane.close()
+
+
+async def test_a_resume_of_an_id_never_seen_is_idempotent_and_remembered(fake):
+    plane = ControlPlane(fake)
+    reply = await bounded(plane.resume(req("c9")))
+    assert reply == ResumeReply(phase=Phase.IDLE, idempotent=True, checkpoint_id="c9")
+    assert fake.count("open") == 0
+    # the prepare that stopped at an earlier stage arrives late: stale, admission stays open
+    with pytest.raises(StaleCheckpoint):
+        await bounded(plane.prepare(req("c9")))
+    assert fake.admission_open and fake.count("close") == 0
+    await prepared(plane, "c10")
+    await bounded(plane.resume(req("c10")))
     await plane.close()
 
 

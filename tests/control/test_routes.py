@@ -450,6 +450,7 @@ WIRE = {
     errors.RestartInScope: ("restart_in_scope", 409),
     errors.ExportFailed: ("export_failed", 409),
     errors.CheckpointParked: ("checkpoint_parked", 409),
+    errors.RetireIncomplete: ("retire_incomplete", 409),
     errors.RolloutIdRequired: ("rollout_id_required", 400),
     errors.InvalidRolloutId: ("invalid_rollout_id", 400),
     errors.RolloutAttemptConflict: ("invalid_rollout_id", 400),

@@ -1206,6 +1206,9 @@ class CheckpointMachine(RuleBasedStateMachine):
                 error = errors.CheckpointConflict
         elif not self.m_fresh or self.m_open is not None or self.m_phase is not Phase.IDLE:
             error = errors.InvalidPhase
+        elif self.m_state:
+            error = errors.ControlError  # checkpoint_error: the process already serves episodes
+            self.seen("restore refused over live work")
         elif any(refused_by(self.m_marks, next_key(key)) for key in args[1]):
             error = errors.StaleAttempt  # a replacement that was retired itself cannot be restored into
         if checkpoint_id in self.m_resumed:

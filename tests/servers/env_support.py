@@ -22,6 +22,8 @@ class FakeDownstream:
         self.gates: dict[str, threading.Event] = {}
         self.entered: dict[str, threading.Event] = {}
         self.verify_mode = "wait"
+        #: how many more agent calls to refuse with 409 checkpoint_parked (after their gate)
+        self.park_agent = 0
         self.app = FastAPI()
         app = self.app
 
@@ -44,6 +46,10 @@ class FakeDownstream:
         async def responses(request: Request, prefix: str = "") -> dict[str, Any]:
             self.calls.append(("agent", request.url.path))
             await hold("agent")
+            if self.park_agent > 0:
+                self.park_agent -= 1
+                error = {"code": "checkpoint_parked", "detail": "a checkpoint is open; retry after resume"}
+                return JSONResponse({"error": error}, status_code=409)  # type: ignore[return-value]
             return {"output_text": "answer 7", "turns": 2, "expected": 7}
 
         @app.post("/{prefix:path}/close_session")

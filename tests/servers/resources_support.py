@@ -92,8 +92,8 @@ class Control:
         assert response.status_code == 200, response.text
         return response.json()
 
-    async def commit(self, checkpoint_id: str, directory: str, scope: list[str]) -> httpx.Response:
-        return await self.call("commit", checkpoint_id, checkpoint_dir=directory, episode_ids=scope)
+    async def commit(self, checkpoint_id: str, directory: str, scope: list[str], **body: Any) -> httpx.Response:
+        return await self.call("commit", checkpoint_id, checkpoint_dir=directory, episode_ids=scope, **body)
 
     async def resume(self, checkpoint_id: str) -> dict[str, Any]:
         response = await self.call("resume", checkpoint_id)
@@ -167,6 +167,7 @@ class GatedServer(CheckpointedResources):
         self.retired: list[str] = []
         self.restored: list[dict[str, Any]] = []
         self.exported: list[list[str]] = []
+        self.parked: list[list[str]] = []
 
     def drop(self, key: str) -> None:
         """Lose a session without telling the participant."""
@@ -180,6 +181,9 @@ class GatedServer(CheckpointedResources):
         self.restored.append(states)
         for key, state in states.items():
             self.sessions[key] = dict(state)
+
+    async def park_session_states(self, session_ids: list[str]) -> None:
+        self.parked.append(list(session_ids))
 
     async def retire_session_state(self, session_id: str) -> None:
         self.retired.append(session_id)

@@ -22,6 +22,7 @@ from gymckpt.testing.time import drain
 
 from ..support import error_code
 from .agent_support import (
+    TOKEN,
     TOOLS,
     AgentClient,
     Fakes,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 PROMPT = user("count to three")
+AUTH_HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
@@ -576,5 +578,27 @@ def test_an_activation_cancelled_before_it_ran_frees_its_session() -> None:
             if kind == "session":
                 assert participant.registry.get("k").boundary == "after"
                 await participant.close_session("k")
+
+    arun(main())
+
+
+@pytest.mark.parametrize("session_hooks", [True, False])
+def test_a_new_session_while_a_checkpoint_is_open_is_parked(fakes: Fakes, session_hooks: bool) -> None:
+    """A new agent session (or legacy run) while closed is 409 checkpoint_parked; a live one parks instead."""
+
+    async def main() -> None:
+        async with AgentClient(agent_config(fakes, session_hooks=session_hooks)) as agent:
+            status = await agent.client.get("/ng-control/v1/checkpoint/status", headers=AUTH_HEADERS)
+            assert status.json()["accepting"] is True
+            prepared = await agent.control("prepare", "p1")
+            assert prepared.json()["phase"] == "prepared", prepared.text
+            status = await agent.client.get("/ng-control/v1/checkpoint/status", headers=AUTH_HEADERS)
+            assert status.json()["accepting"] is False
+            refused = await agent.responses("fresh", PROMPT)
+            assert (refused.status_code, error_code(refused)) == (409, "checkpoint_parked")
+            assert fakes.model.where(key="fresh") == []  # refused before any model call
+            assert agent.participant.registry.get("fresh") is None
+            await agent.resume("p1")
+            assert (await agent.responses("fresh", PROMPT)).status_code == 200
 
     arun(main())

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from gymckpt.control.routes import CONTROL_PREFIX
+from gymckpt.errors import InvalidCheckpointState
+from gymckpt.participants.environment import EnvironmentParticipant, task_digest
 from gymckpt.servers.environment import EnvironmentConfig, build_environment_app
 from gymckpt.store import open_store
 from gymckpt.testing.net import serve
@@ -144,6 +149,68 @@ def test_a_wait_step_in_flight_blocks_prepare_until_it_finishes(fake: Any) -> No
     asyncio.run(main())
 
 
+def test_a_new_episode_while_a_checkpoint_is_open_is_parked_and_runs_after_resume(fake: Any) -> None:
+    async def main() -> None:
+        async with _client(build_environment_app(_config(fake, True))) as client:
+            assert (await _control(client, "prepare", checkpoint_id="p1")).json()["phase"] == "prepared"
+            parked = await client.post("/run", json={"episode_id": {"rollout_id": "n", "attempt": 0}, "task": TASK})
+            assert (parked.status_code, parked.json()["error"]["code"]) == (409, "checkpoint_parked")
+            assert fake.calls == []  # refused before any step
+            status = (await client.get(f"{CONTROL_PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+            assert status["report"]["counts"].get("live", 0) == 0
+            assert (await _control(client, "resume", checkpoint_id="p1")).status_code == 200
+            reply = await client.post("/run", json={"episode_id": {"rollout_id": "n", "attempt": 0}, "task": TASK})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["episode_id"] == {"rollout_id": "n", "attempt": 0}
+
+    asyncio.run(main())
+
+
+def test_a_step_a_downstream_parked_is_called_again_when_the_environment_reopens(fake: Any) -> None:
+    """The agent refused with checkpoint_parked while the checkpoint was open: the episode waits
+    at its boundary and makes the call again after resume (the caller retries, as the code says)."""
+    fake.gates["agent"] = threading.Event()
+    fake.entered["agent"] = threading.Event()
+
+    async def main() -> None:
+        async with _client(build_environment_app(_config(fake, True))) as client:
+            run = asyncio.create_task(client.post("/run", json={"episode_id": "q", "task": TASK}))
+            await _entered(fake, "agent")
+            assert (await _control(client, "prepare", checkpoint_id="p2")).json()["phase"] == "prepared"
+            fake.park_agent = 1
+            fake.gates["agent"].set()  # the agent answers checkpoint_parked while the environment is closed
+            status: dict[str, Any] = {}
+            give_up = time.monotonic() + 30
+            while time.monotonic() < give_up:  # until the refused step has parked the episode again
+                status = (
+                    await client.get(f"{CONTROL_PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"})
+                ).json()
+                if fake.park_agent == 0 and status["report"]["counts"].get("parked") == 1:
+                    break
+                await asyncio.sleep(0)  # a yield to the run in this loop, not a pause
+            assert status["report"]["counts"].get("parked") == 1, status
+            assert not run.done()
+            assert [name for name, _ in fake.calls].count("agent") == 1
+            assert (await _control(client, "resume", checkpoint_id="p2")).status_code == 200
+            reply = await asyncio.wait_for(run, 30)
+            assert reply.json()["result"] == {"reward": 1.0, "response": "answer 7"}
+            assert [name for name, _ in fake.calls].count("agent") == 2
+
+    asyncio.run(main())
+
+
+def test_a_step_a_downstream_parked_while_the_environment_is_open_is_called_again(fake: Any) -> None:
+    fake.park_agent = 2
+
+    async def main() -> None:
+        async with _client(build_environment_app(_config(fake, True))) as client:
+            reply = await client.post("/run", json={"episode_id": "o", "task": TASK})
+            assert reply.json()["result"] == {"reward": 1.0, "response": "answer 7"}
+            assert [name for name, _ in fake.calls].count("agent") == 3
+
+    asyncio.run(main())
+
+
 def test_a_continued_attempt_must_bring_the_same_task(fake: Any, tmp_path: Any) -> None:
     fake.gates["agent"] = threading.Event()
     fake.entered["agent"] = threading.Event()
@@ -189,3 +256,26 @@ def test_retire_stops_a_running_episode_and_refuses_its_attempt(fake: Any) -> No
             assert status["report"]["counts"]["live"] == 0
 
     asyncio.run(main())
+
+
+def test_the_task_digest_is_the_references_and_gymckpts_older_digest_still_continues() -> None:
+    """sha256 of ``json.dumps(task, sort_keys=True, separators=(",", ":"))``, ASCII escapes included."""
+    task = {"task_id": {"taskset": "démo", "task_id": "t"}, "task_input": {"prompt": "ünïcode ✓", "x": 0.1}}
+    reference = hashlib.sha256(json.dumps(task, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert task_digest(task) == reference
+    older = hashlib.sha256(orjson.dumps(task, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    assert older != reference  # the two encodings differ on non-ASCII text
+
+    async def continues(digest: str, given: dict[str, Any]) -> bool:
+        participant = EnvironmentParticipant("env-0")
+        await participant.install([{"episode_id": "r-a1", "task_digest": digest, "boundary": None}], ["r-a1"], None)  # type: ignore[arg-type]
+        try:
+            participant.begin_run("r-a1", given)
+        except InvalidCheckpointState:
+            return False
+        return True
+
+    assert asyncio.run(continues(reference, task))
+    assert asyncio.run(continues(older, task))
+    assert not asyncio.run(continues(reference, {**task, "task_input": {"prompt": "other"}}))
+    assert not asyncio.run(continues(older, {**task, "task_input": {"prompt": "other"}}))

@@ -535,3 +535,29 @@ def test_commit_deletes_untouched_restored_sessions_it_leaves_out(tmp_path: Path
             assert (await http.post(rp("b-a1", "/seed_session"))).status_code == 200
 
     run(main())
+
+
+@pytest.mark.parametrize("mode", ["exported", "stateless", "restart_only"])
+def test_a_commit_with_stop_parks_the_exported_sessions_still_held(tmp_path: Path, mode: str) -> None:
+    """The controller stops after this checkpoint: an exported-mode server frees their outside compute."""
+
+    async def main() -> None:
+        server = gated_server(mode)  # type: ignore[arg-type]
+        app = build_gated_app(server)
+        async with client(app) as http:
+            control = Control(http)
+            for key in ("a", "b"):
+                await http.post(rp(key, "/seed_session"))
+            await http.post(rp("b", "/verify"), json={})  # b ended: nothing of it is held
+            prepared = await control.prepare("c1")
+            assert prepared["phase"] == "prepared"
+            scope = [] if mode == "restart_only" else ["a", "b"]
+            committed = await control.commit("c1", str(tmp_path / "c1"), scope, stop=True)
+            assert committed.status_code == 200, committed.text
+            assert server.parked == ([["a"]] if mode == "exported" else [])
+            again = await control.commit("c1", str(tmp_path / "c1"), scope, stop=True)
+            assert again.json() == committed.json()
+            assert len(server.parked) == (1 if mode == "exported" else 0)  # once per checkpoint
+            await control.resume("c1")
+
+    run(main())

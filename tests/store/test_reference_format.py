@@ -562,3 +562,44 @@ def test_the_command_verifies_and_inspects_a_reference_checkpoint(root: Path) ->
     result = gymckpt("inspect", str(root / CHECKPOINT), "--dump", f"{KIND}/{INSTANCE}", "--episode", "r1-a2")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {"episode_id": "r1-a2", "zeta": 1, "alpha": {"y": 2, "x": 1}, "owner": None}
+
+
+# --------------------------------------------------------------------------- the decoder is exact
+
+_TRICKY_VALUES: list[Any] = [
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+    -(10**30),
+    1234567890123456789,
+    0.1,
+    -0.0,
+    1e-320,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    "\ud800",
+    "12345678901234567890",
+    "😀 ünï",
+    [[[[[[[[[[1]]]]]]]]]],
+    {"z": 1, "a": [1.5, 2, None, True]},
+]
+
+
+@pytest.mark.parametrize("value", _TRICKY_VALUES, ids=lambda value: repr(value)[:40])
+def test_a_reference_line_decodes_exactly_as_the_stdlib_decoder_reads_it(value: Any) -> None:
+    """orjson reads the common lines; whatever it would read differently (integers beyond 64 bits,
+    NaN, infinities, lone surrogates) is read by the stdlib decoder, so values come back exactly."""
+    from gymckpt.store.codec import decode_reference_record
+
+    record = {"episode_id": {"rollout_id": "r", "attempt": 1}, "value": value, "after": 7}
+    line = reference_record_line(record)
+    decoded = decode_reference_record(memoryview(line), "r-a1")
+    assert list(decoded) == ["episode_id", "value", "after"]
+    assert decoded["episode_id"] == "r-a1"
+    assert_identical(decoded["value"], json.loads(line)["value"])
+    assert_identical(decoded["value"], value)
