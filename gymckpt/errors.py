@@ -34,6 +34,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     │   ├── InvalidPhase                         409 invalid_phase
     │   ├── DeadlineExceeded (TimeoutError)      409 deadline_exceeded
     │   ├── StaleAttempt                         409 stale_attempt: a retired attempt's request
+    │   ├── CoordinatorUnavailable               503 checkpoint_coordinator_unavailable: a worker without its coordinator
     │   ├── RetireIncomplete                     409 retire_incomplete: forget while a retire still frees
     │   ├── RestartInScope                       409 restart_in_scope
     │   ├── ExportFailed                         409 export_failed: this checkpoint id is over
@@ -86,6 +87,7 @@ __all__ = [
     "ClientDisconnected",
     "ControlError",
     "CoordinationError",
+    "CoordinatorUnavailable",
     "DeadlineExceeded",
     "DownstreamError",
     "DuplicateEpisode",
@@ -321,6 +323,13 @@ class StaleAttempt(ControlError):
     code = "stale_attempt"
 
 
+class CoordinatorUnavailable(ControlError):
+    """A worker of a several-worker server lost (or never reached) its coordinator, which owns the control plane."""
+
+    code = "checkpoint_coordinator_unavailable"
+    status = 503
+
+
 class RetireIncomplete(ControlError):
     """A forget of rollouts whose retire is still stopping and freeing them; retry after it finished."""
 
@@ -535,6 +544,7 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         DeadlineExceeded,
         StaleAttempt,
         RetireIncomplete,
+        CoordinatorUnavailable,
         RestartInScope,
         ExportFailed,
         CheckpointParked,
