@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from gymckpt.control.marks import RetireMarks
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Awaitable, Callable, Iterable
 
     from gymckpt.control.plane import ControlPlane
     from gymckpt.store.manifest import Manifest
@@ -117,6 +117,10 @@ class Participant(ABC):
         """
         return False
 
+    async def check_forget(self, rollout_ids: list[str]) -> None:
+        """Raise (e.g. :class:`~gymckpt.errors.RetireIncomplete`) when these rollouts cannot be
+        forgotten yet; called before any mark is forgotten. Default: always possible."""
+
     async def forget(self, rollout_ids: list[str]) -> None:
         """The fence forgot these rollouts (every attempt may run again); default: nothing to do."""
 
@@ -132,10 +136,11 @@ class Participant(ABC):
         """
         await self.retire(episode_ids)
 
-    def live_work(self) -> list[str]:
+    def live_work(self) -> list[str] | Awaitable[list[str]]:
         """Capture keys of the work this process already serves (a restore refuses to run over it).
 
-        Default: none; a participant that holds episodes or sessions lists them.
+        Default: none; a participant that holds episodes or sessions lists them. A coordinator
+        of several workers returns an awaitable (it asks them).
         """
         return []
 

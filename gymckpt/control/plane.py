@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 from collections import deque
@@ -44,6 +45,7 @@ from gymckpt.errors import (
 )
 from gymckpt.identity import AttemptsUpTo, capture_key, first_keys, split_capture_key
 from gymckpt.store import WriteStop, open_store
+from gymckpt.store.codec import EncodedRecord
 from gymckpt.store.layout import check_name
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from gymckpt.store import CheckpointStore
     from gymckpt.store.manifest import Manifest
 
-__all__ = ["ControlPlane", "LEASE_RETRY_SECONDS", "REMEMBERED_CHECKPOINTS"]
+__all__ = ["LEASE_RETRY_SECONDS", "MAX_BLOCKERS", "REMEMBERED_CHECKPOINTS", "ControlPlane", "readiness_report"]
 
 logger = logging.getLogger("gymckpt.control")
 
@@ -178,15 +180,7 @@ class ControlPlane:
             raise DeadlineExceeded(f"{what} did not finish before the deadline") from None
 
     def _report(self) -> PrepareReport:
-        participant = self.participant
-        ready = participant.ready()
-        return PrepareReport(
-            ready=ready,
-            blockers=[] if ready else participant.blockers(MAX_BLOCKERS),
-            blocker_count=0 if ready else participant.blocker_count(),
-            counts=participant.counts(),
-            restarts=participant.restarts(),
-        )
+        return readiness_report(self.participant)
 
     def _check_not_stale(self, checkpoint_id: str) -> None:
         if checkpoint_id in self._resumed:
@@ -431,7 +425,7 @@ class ControlPlane:
         reply = CommitReply(
             phase=Phase.COMMITTED,
             manifest=manifest.to_document(),
-            episode_ids=sorted(str(record["episode_id"]) for record in records),
+            episode_ids=sorted(_episode_of(record) for record in records),
             kind=participant.kind,
             instance=participant.instance,
             checkpoint_id=checkpoint.checkpoint_id,
@@ -546,6 +540,7 @@ class ControlPlane:
             )
         if self.phase is Phase.RESTORED:
             self._extend_lease(request.deadline_ts)
+        await self._within(request.deadline_ts, self.participant.check_forget(sorted(rollouts)), "checking the forget")
         forgotten = self.marks.forget(request.rollout_ids)
         await self._within(request.deadline_ts, self.participant.forget(sorted(set(request.rollout_ids))), "the forget")
         return ForgetReply(forgotten_count=forgotten, forgotten=sorted(set(request.rollout_ids)))
@@ -571,6 +566,8 @@ class ControlPlane:
         if not self._fresh or self._open is not None or self.phase is not Phase.IDLE:
             raise InvalidPhase("restore runs only in a fresh process, before any checkpoint")
         live = self.participant.live_work()
+        if inspect.isawaitable(live):  # a coordinator of several workers asks them
+            live = await self._within(request.deadline_ts, live, "asking for live work")
         if live:
             raise ControlError(
                 f"restore runs only in a fresh process: {self.participant.kind}/{self.participant.instance} "
@@ -688,6 +685,18 @@ class ControlPlane:
                 await self._lease_task
 
 
+def readiness_report(participant: Participant) -> PrepareReport:
+    """A participant's readiness as a prepare report: blockers capped at :data:`MAX_BLOCKERS`, restarts never."""
+    ready = participant.ready()
+    return PrepareReport(
+        ready=ready,
+        blockers=[] if ready else participant.blockers(MAX_BLOCKERS),
+        blocker_count=0 if ready else participant.blocker_count(),
+        counts=participant.counts(),
+        restarts=participant.restarts(),
+    )
+
+
 async def _close_store(store: CheckpointStore) -> None:
     """Close a commit's or restore's store off the loop (an S3 client's close blocks); never raises."""
     try:
@@ -714,6 +723,11 @@ def _spawn(coroutine: Any, name: str) -> asyncio.Task[Any]:
 
 def _succeeded(task: asyncio.Task[Any]) -> bool:
     return not task.cancelled() and task.exception() is None
+
+
+def _episode_of(record: dict[str, Any] | EncodedRecord) -> str:
+    """The capture key of an exported record: a dict, or a line encoded elsewhere (a worker's)."""
+    return record.episode_id if type(record) is EncodedRecord else str(record["episode_id"])
 
 
 def _next(key: str) -> tuple[str, int]:

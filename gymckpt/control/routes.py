@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import secrets
 from typing import TYPE_CHECKING, Any
 
@@ -88,7 +89,9 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
 
     @router.get("/status", response_model=StatusReply, responses=_ERRORS)
     async def status() -> StatusReply:
-        return plane.status()
+        # a worker's plane forwards status to its coordinator, so it may be awaitable
+        result = plane.status()
+        return await result if inspect.isawaitable(result) else result  # type: ignore[no-any-return]
 
     @router.post("/prepare", response_model=PrepareReply, responses=_ERRORS)
     async def prepare(request: ControlRequest) -> PrepareReply:

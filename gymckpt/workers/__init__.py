@@ -10,4 +10,16 @@ What exists so far, used by no server yet:
   immediate handlers, typed errors, 503 ``checkpoint_coordinator_unavailable`` when the peer is gone.
 - :mod:`~gymckpt.workers.gather` and :mod:`~gymckpt.workers.placement`: the pure parts of
   commit and restore across workers.
+- :mod:`~gymckpt.workers.messages`: the message kinds, their bodies and timeouts.
+- :mod:`~gymckpt.workers.coordinator`: :class:`~gymckpt.workers.coordinator.CoordinatedParticipant`,
+  the participant the main process's control plane drives for N workers (merged, numbered
+  readiness reports; fail closed on a missing or lost worker; broadcasts; one records file on
+  commit), and the socket server the workers connect to.
+- :mod:`~gymckpt.workers.link`: a worker's side: registration, the handlers, reports, and
+  stopping itself when its coordinator is gone.
+- :mod:`~gymckpt.workers.remote_plane`: what a worker's control routes call: every operation
+  forwarded to the coordinator's plane.
+
+Retire marks are copied to every worker (a snapshot when it registers, then each mark and
+forget), so a retired attempt is ``stale_attempt`` on every worker until forget.
 """

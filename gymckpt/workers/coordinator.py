@@ -1,0 +1,498 @@
+"""The main process of a server with several workers: one participant standing for all of them.
+
+:class:`CoordinatedParticipant` is what the main process's
+:class:`~gymckpt.control.plane.ControlPlane` drives, unchanged: each participant call becomes
+a message to every connected worker (:mod:`gymckpt.workers.messages`), whose
+:class:`~gymckpt.workers.link.WorkerLink` applies it to the worker's own participant.
+:class:`WorkerServer` accepts the workers' connections on a Unix socket (0600) and runs
+their forwarded control calls on the plane (:func:`dispatch_control`).
+
+Readiness is the merge of the workers' numbered reports of the current *generation* (one
+per close): ready when every worker reported ready and none is missing. It fails closed:
+
+- ``<kind>-workers-unreported:<n>``: fewer current reports than ``expected_workers`` (or
+  than connected workers, if more are connected: an extra worker must report too);
+- ``<kind>-worker-lost``: a worker left while admission was closed (what it held is
+  unknown), until the next :meth:`~CoordinatedParticipant.open_admission`.
+
+Both come first in ``blockers``, then the sorted union of the workers' blockers; counts are
+summed, with ``counts["workers"]`` the connected workers; restarts are the sorted union. A
+prepare is not ready and a commit is refused (the plane refuses a commit whose
+participant is not ready) while either blocker stands.
+
+Marks: the plane marks this participant's :attr:`~CoordinatedParticipant.fence`; a retire
+broadcasts ``mark`` before ``retire``, an install carries the fence's snapshot (the
+restore's marks), and a worker that registers gets the snapshot, so every worker's own
+fence refuses a retired attempt until forget. A forget asks every worker first
+(``check_forget``): one refusal leaves every mark, the coordinator's included, in place.
+
+Restore (until placement, step 7): every worker gets ``install``; the records go to the
+worker with the lowest index, except a record whose ``owner`` names a connected worker's
+routing id, which goes to that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from gymckpt.control.models import PrepareReport
+from gymckpt.control.participant import Participant
+from gymckpt.errors import (
+    ControlError,
+    CoordinatorUnavailable,
+    GymckptError,
+    InvalidCheckpointState,
+    InvalidRequest,
+)
+from gymckpt.store.codec import EncodedRecord
+from gymckpt.workers import messages
+from gymckpt.workers.channel import Channel
+from gymckpt.workers.gather import ExportedRecord, WorkerExport, gather_exports
+from gymckpt.workers.messages import CONTROL_OPERATIONS, Message, deadline_timeout
+from gymckpt.workers.runtime import process_runtime_dir, restrict_socket, socket_path
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
+
+    from gymckpt.control.plane import ControlPlane
+    from gymckpt.store.manifest import Manifest
+    from gymckpt.workers.gather import Gathered
+
+__all__ = ["ConnectedWorker", "CoordinatedParticipant", "WorkerServer", "dispatch_control"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectedWorker:
+    """A registered worker: its channel, what it registered with, and its last report of this generation."""
+
+    index: int
+    channel: Channel
+    pid: int | None = None
+    routing_id: str | None = None
+    #: the newest report of the current generation (None: none yet, or reset by close and open)
+    report: PrepareReport | None = None
+    #: the highest report number taken from this worker (numbers never go down, across generations)
+    seq: int = 0
+
+
+class CoordinatedParticipant(Participant):
+    """The participant of a server whose work is spread over ``expected_workers`` worker processes."""
+
+    def __init__(self, kind: str, instance: str, *, expected_workers: int) -> None:
+        if expected_workers < 1:
+            raise ValueError(f"expected_workers must be at least 1, not {expected_workers}")
+        self.kind = kind
+        self.instance = instance
+        self.expected_workers = expected_workers
+        #: connected, registered workers by index (1, 2, 3, … per accepted connection)
+        self.workers: dict[int, ConnectedWorker] = {}
+        self.accepting = True
+        #: incremented by each close; a report of another generation is ignored
+        self.generation = 0
+        #: a worker left while admission was closed (cleared by open_admission)
+        self.lost_worker = False
+        self._request: dict[str, Any] | None = None
+        self._deadline_ts: float | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self._gathered: Gathered | None = None
+
+    # --- workers (called by WorkerServer)
+
+    def note_deadline(self, deadline_ts: float) -> None:
+        """The deadline of the control call about to run: it bounds the waits of the messages it sends."""
+        self._deadline_ts = deadline_ts
+
+    def register(self, index: int, channel: Channel, body: object) -> dict[str, Any]:
+        """A worker registered: keep it and return its join state (it closes at once if a checkpoint is open)."""
+        fields = body if isinstance(body, dict) else {}
+        pid, routing_id = fields.get("pid"), fields.get("routing_id")
+        self.workers[index] = ConnectedWorker(
+            index,
+            channel,
+            pid=pid if type(pid) is int else None,
+            routing_id=routing_id if isinstance(routing_id, str) else None,
+        )
+        logger.info("%s worker %d (pid %s) registered", self.kind, index, pid)
+        self._notify()
+        return {
+            "accepting": self.accepting,
+            "generation": self.generation,
+            "request": self._request,
+            "marks": self.fence.snapshot(),
+        }
+
+    def receive_report(self, index: int, body: object) -> dict[str, bool]:
+        """A pushed report: kept only for the current generation, while closed, with a higher number."""
+        generation, seq, report = _report_fields(body)
+        worker = self.workers.get(index)
+        kept = (
+            worker is not None and not self.accepting and generation == self.generation and _keep(worker, seq, report)
+        )
+        if kept:
+            self._notify()
+        return {"kept": kept}
+
+    def leave(self, index: int) -> None:
+        """A worker's connection ended: it is gone, and lost if admission was closed."""
+        if self.workers.pop(index, None) is None:
+            return
+        if not self.accepting:
+            self.lost_worker = True
+            logger.warning("%s worker %d left while a checkpoint is open: blocking it until resume", self.kind, index)
+        else:
+            logger.info("%s worker %d left", self.kind, index)
+        self._notify()
+
+    # --- messages to the workers
+
+    def _who(self, index: int) -> str:
+        return f"{self.kind} worker {index}"
+
+    def _notify(self) -> None:
+        for listener in list(self._listeners):
+            listener()
+
+    def _bounded_timeout(self) -> float:
+        return deadline_timeout(self._deadline_ts)
+
+    async def _broadcast(
+        self, kind: str, body: object, *, timeout: float | None, lost_fails: bool = False
+    ) -> dict[int, Any]:
+        """Send ``body`` to every connected worker; their replies by index."""
+        return await self._call_each(
+            {index: body for index in self.workers}, kind, timeout=timeout, lost_fails=lost_fails
+        )
+
+    async def _call_each(
+        self, bodies: Mapping[int, object], kind: str, *, timeout: float | None, lost_fails: bool = False
+    ) -> dict[int, Any]:
+        """Send each worker its own body at once; raise the first failure, named after its worker.
+
+        A worker whose connection ended meanwhile is skipped (it is gone; the lost blocker and
+        the join state cover it) unless ``lost_fails``: an export or install needs every one.
+        """
+        targets = [self.workers[index] for index in sorted(bodies) if index in self.workers]
+        results = await asyncio.gather(
+            *(worker.channel.request(kind, bodies[worker.index], timeout=timeout) for worker in targets),
+            return_exceptions=True,
+        )
+        replies: dict[int, Any] = {}
+        failure: GymckptError | None = None
+        for worker, result in zip(targets, results, strict=True):
+            if not isinstance(result, BaseException):
+                replies[worker.index] = result
+            elif not lost_fails and isinstance(result, CoordinatorUnavailable) and worker.channel.closed.is_set():
+                logger.warning("%s left during %s; going on without it", self._who(worker.index), kind)
+            elif failure is None:
+                failure = self._named_failure(worker.index, kind, result)
+        if failure is not None:
+            raise failure
+        return replies
+
+    def _named_failure(self, index: int, kind: str, exc: BaseException) -> GymckptError:
+        """``exc`` (typed as it came, status and code kept) with a detail naming the worker."""
+        detail = f"{self._who(index)} did not complete {kind}: {exc or type(exc).__name__}"
+        if not isinstance(exc, GymckptError):
+            failure = ControlError(detail)
+            failure.__cause__ = exc
+            return failure
+        exc.args = (detail,)
+        exc.detail = detail
+        return exc
+
+    # --- readiness
+
+    def _current_reports(self) -> list[PrepareReport]:
+        return [worker.report for worker in self.workers.values() if worker.report is not None]
+
+    def _own_blockers(self, reports: list[PrepareReport]) -> list[str]:
+        blockers = []
+        missing = max(self.expected_workers, len(self.workers)) - len(reports)
+        if missing > 0:
+            blockers.append(f"{self.kind}-workers-unreported:{missing}")
+        if self.lost_worker:
+            blockers.append(f"{self.kind}-worker-lost")
+        return blockers
+
+    def ready(self) -> bool:
+        reports = self._current_reports()
+        return not self._own_blockers(reports) and all(report.ready for report in reports)
+
+    def blocker_count(self) -> int:
+        reports = self._current_reports()
+        return len(self._own_blockers(reports)) + sum(report.blocker_count for report in reports)
+
+    def blockers(self, limit: int) -> list[str]:
+        reports = self._current_reports()
+        merged = sorted({blocker for report in reports for blocker in report.blockers})
+        return [*self._own_blockers(reports), *merged][:limit]
+
+    def counts(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for report in self._current_reports():
+            for name, value in report.counts.items():
+                totals[name] = totals.get(name, 0) + value
+        totals["workers"] = len(self.workers)
+        return totals
+
+    def restarts(self) -> list[str]:
+        return sorted({key for report in self._current_reports() for key in report.restarts})
+
+    def add_readiness_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    # --- admission
+
+    async def close_admission(self, checkpoint_id: str) -> None:
+        self.accepting = False
+        self.generation += 1
+        generation = self.generation
+        self._request = {"checkpoint_id": checkpoint_id, "deadline_ts": self._deadline_ts}
+        for worker in self.workers.values():
+            worker.report = None
+        self._notify()
+        body = {**self._request, "generation": generation}
+        replies = await self._broadcast(Message.CLOSE, body, timeout=self._bounded_timeout())
+        for index, reply in replies.items():
+            worker = self.workers.get(index)
+            if worker is not None and generation == self.generation and not self.accepting:
+                _keep(worker, *_close_reply_report(reply))
+        self._notify()
+
+    async def open_admission(self) -> None:
+        self.accepting = True
+        self.lost_worker = False
+        self._request = None
+        for worker in self.workers.values():
+            worker.report = None
+        try:
+            await self._broadcast(Message.OPEN, {}, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+        except Exception:
+            logger.warning("a %s worker did not reopen its admission", self.kind, exc_info=True)
+        self._notify()
+
+    # --- commit
+
+    async def export(self, scope: list[str] | None) -> list[EncodedRecord]:
+        """Every worker's records, gathered (one copy per episode); a worker that fails fails the export."""
+        replies = await self._broadcast(Message.EXPORT, {"episode_ids": scope}, timeout=None, lost_fails=True)
+        exports = {index: _worker_export(reply, self._who(index)) for index, reply in replies.items()}
+        self._gathered = gather_exports(exports, scope=scope)
+        return list(self._gathered.records)
+
+    async def park_exported(self, records: list[Any]) -> None:
+        ids = [record.episode_id if isinstance(record, EncodedRecord) else record["episode_id"] for record in records]
+        await self._broadcast(Message.PARK, {"episode_ids": ids}, timeout=self._bounded_timeout())
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return self._gathered.manifest_extra() if self._gathered is not None else {}
+
+    async def delete_restored(self, episode_ids: list[str]) -> None:
+        await self._broadcast(
+            Message.DELETE_RESTORED, {"episode_ids": list(episode_ids)}, timeout=self._bounded_timeout()
+        )
+
+    # --- retire and forget
+
+    async def retire(self, episode_ids: list[str]) -> None:
+        """Every worker marks the attempts first (its own fence refuses them), then stops and frees them."""
+        body = {"episode_ids": list(episode_ids)}
+        await self._broadcast(Message.MARK, body, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+        await self._broadcast(Message.RETIRE, body, timeout=self._bounded_timeout())
+
+    async def check_forget(self, rollout_ids: list[str]) -> None:
+        """Every worker must agree before any mark is forgotten: one refusal (``retire_incomplete``) keeps them all."""
+        await self._broadcast(
+            Message.CHECK_FORGET, {"rollout_ids": list(rollout_ids)}, timeout=messages.MESSAGE_TIMEOUT_SECONDS
+        )
+
+    async def forget(self, rollout_ids: list[str]) -> None:
+        """Forget on every worker (the plane asked :meth:`check_forget` first)."""
+        await self._broadcast(Message.FORGET, {"rollout_ids": list(rollout_ids)}, timeout=self._bounded_timeout())
+
+    # --- restore
+
+    async def live_work(self) -> list[str]:  # type: ignore[override]
+        """Every worker's live work (the plane awaits it before a restore)."""
+        replies = await self._broadcast(Message.LIVE_WORK, {}, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+        found: set[str] = set()
+        for index, reply in replies.items():
+            found.update(_string_list(reply, "episode_ids", self._who(index)))
+        return sorted(found)
+
+    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
+        """Every worker installs its share (an empty one too) with the fence's marks and the manifest."""
+        if not self.workers:
+            raise CoordinatorUnavailable(f"no {self.kind} worker is connected to install the restored records")
+        shares = self._split_records(records)
+        base = {"scope": list(scope), "manifest": _manifest_body(manifest), "marks": self.fence.snapshot()}
+        bodies = {index: {**base, "records": share} for index, share in shares.items()}
+        await self._call_each(bodies, Message.INSTALL, timeout=None, lost_fails=True)
+
+    def _split_records(self, records: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+        """Records by worker: to the worker an ``owner`` routing id names, else to the lowest index."""
+        shares: dict[int, list[dict[str, Any]]] = {index: [] for index in sorted(self.workers)}
+        owners = {worker.routing_id: index for index, worker in self.workers.items() if worker.routing_id}
+        first = min(shares)
+        for record in records:
+            owner = record.get("owner")
+            shares[owners.get(owner, first) if isinstance(owner, str) else first].append(record)
+        return shares
+
+    # --- status
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"workers": len(self.workers), "expected_workers": self.expected_workers}
+
+
+def _keep(worker: ConnectedWorker, seq: int, report: PrepareReport) -> bool:
+    """Take ``report`` if it is newer than the worker's last one; True if taken."""
+    if seq <= worker.seq:
+        return False
+    worker.seq = seq
+    worker.report = report
+    return True
+
+
+def _report_fields(body: object) -> tuple[int, int, PrepareReport]:
+    """``(generation, seq, report)`` of a report message."""
+    generation = body.get("generation") if isinstance(body, dict) else None
+    if type(generation) is not int:
+        raise InvalidRequest(f"a report needs an integer generation, not {generation!r}")
+    return (generation, *_close_reply_report(body))
+
+
+def _close_reply_report(body: object) -> tuple[int, PrepareReport]:
+    """``(seq, report)`` of a numbered report (a close reply is the worker's first of the generation)."""
+    fields = body if isinstance(body, dict) else {}
+    seq = fields.get("seq")
+    if type(seq) is not int:
+        raise InvalidRequest(f"a report needs an integer seq, not {seq!r}")
+    try:
+        return seq, PrepareReport.model_validate(fields.get("report"))
+    except ValidationError as exc:
+        raise InvalidRequest(f"a malformed report: {exc}") from exc
+
+
+def _string_list(reply: object, name: str, who: str) -> list[str]:
+    values = reply.get(name) if isinstance(reply, dict) else None
+    if not isinstance(values, list) or not all(isinstance(value, str) for value in values):
+        raise InvalidCheckpointState(f"{who} replied without a list of strings {name!r}")
+    return values
+
+
+def _worker_export(reply: object, who: str) -> WorkerExport:
+    """A worker's export reply as pre-encoded records: ``[episode_id, line]`` pairs."""
+    lines = reply.get("records") if isinstance(reply, dict) else None
+    if not isinstance(lines, list):
+        raise InvalidCheckpointState(f"{who} replied to export without a records list")
+    records = []
+    for item in lines:
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(part, str) for part in item)):
+            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, line] pair")
+        records.append(ExportedRecord(EncodedRecord(item[0], item[1].encode("utf-8"))))
+    return WorkerExport(records)
+
+
+def _manifest_body(manifest: Manifest | None) -> dict[str, str] | None:
+    """The manifest as its stored bytes (a worker parses them again), or None."""
+    if manifest is None or not manifest.raw:
+        return None
+    try:
+        return {"path": manifest.path, "raw": manifest.raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        return None
+
+
+async def dispatch_control(plane: ControlPlane, operation: object, payload: object) -> Any:
+    """Run one forwarded control call on ``plane``; its reply as JSON (errors raise as they are)."""
+    spec = CONTROL_OPERATIONS.get(operation) if isinstance(operation, str) else None
+    if spec is None:
+        raise InvalidRequest(f"no control operation {operation!r}")
+    if spec.request is None:
+        return plane.status().model_dump(mode="json")
+    try:
+        request = spec.request.model_validate(payload)
+    except ValidationError as exc:
+        raise InvalidRequest(f"{operation}: {exc}"[:2000]) from exc
+    participant = plane.participant
+    if isinstance(participant, CoordinatedParticipant):
+        participant.note_deadline(request.deadline_ts)
+    reply = await getattr(plane, str(operation))(request)
+    return reply.model_dump(mode="json")
+
+
+class WorkerServer:
+    """Accepts a server's worker connections on a Unix socket, on the event loop :meth:`start` runs on.
+
+    ``path`` defaults to a fresh socket in this process's runtime directory, named after the kind.
+    """
+
+    def __init__(self, plane: ControlPlane, *, path: Path | str | None = None) -> None:
+        if not isinstance(plane.participant, CoordinatedParticipant):
+            raise TypeError("a WorkerServer serves the plane of a CoordinatedParticipant")
+        self.plane = plane
+        self.participant: CoordinatedParticipant = plane.participant
+        self.path = None if path is None else Path(path)
+        self._server: asyncio.AbstractServer | None = None
+        self._indexes = itertools.count(1)
+        self._channels: dict[int, Channel] = {}
+        self._connections: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> Path:
+        """Listen (the socket is made 0600 at once); returns its path."""
+        if self._server is not None:
+            raise RuntimeError("this WorkerServer was started already")
+        if self.path is None:
+            self.path = socket_path(process_runtime_dir().path, self.participant.kind)
+        self._server = await asyncio.start_unix_server(self._connected, path=os.fspath(self.path))
+        restrict_socket(self.path)
+        return self.path
+
+    async def close(self) -> None:
+        """Stop listening and end every worker's connection (each worker then takes its coordinator as lost)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        await asyncio.gather(*(channel.close() for channel in list(self._channels.values())), return_exceptions=True)
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), messages.MESSAGE_TIMEOUT_SECONDS)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = next(self._indexes)
+        participant = self.participant
+        channel = Channel(reader, writer, name=f"{participant.kind} worker {index}")
+        channel.handle_immediately(Message.REGISTER, lambda body: participant.register(index, channel, body))
+        channel.handle_immediately(Message.REPORT, lambda body: participant.receive_report(index, body))
+        channel.handle(Message.CONTROL, self._control)
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+        self._channels[index] = channel
+        channel.start()
+        try:
+            await channel.closed.wait()
+        finally:
+            self._channels.pop(index, None)
+            participant.leave(index)
+            if task is not None:
+                self._connections.discard(task)
+
+    async def _control(self, body: object) -> Any:
+        fields = body if isinstance(body, dict) else {}
+        return await dispatch_control(self.plane, fields.get("operation"), fields.get("body"))

@@ -1,0 +1,385 @@
+"""A worker's side of a server with several workers: its participant, driven by the coordinator.
+
+:class:`WorkerLink` wraps the participant a single-process server would run (for this
+worker's share of the work) and connects it to the coordinator in the main process:
+
+- :meth:`WorkerLink.connect` retries every :data:`CONNECT_RETRY_SECONDS` while the socket is
+  missing or refuses, up to ``connect_timeout`` (then
+  :class:`~gymckpt.errors.CoordinatorUnavailable`), registers, and adopts the join state:
+  the coordinator's marks go into the participant's fence, and if a checkpoint is open the
+  worker closes at once and reports;
+- it answers the coordinator's messages (:mod:`gymckpt.workers.messages`) by calling its
+  participant; ``export`` re-checks readiness first and sends each record encoded once
+  (:func:`gymckpt.store.codec.encoded`) as text;
+- while closed it pushes numbered reports (``report {generation, seq, report}``) when the
+  participant's readiness listener fires (one sender task coalesces bursts) and re-checks
+  every :data:`~gymckpt.workers.messages.REPORT_POLL_SECONDS`, since some changes notify
+  nobody; a report equal to the last one sent is not sent again;
+- when the connection ends without :meth:`WorkerLink.disconnect`, the main process (and
+  uvicorn's supervisor with it) is gone: it calls ``on_coordinator_lost``, by default
+  SIGTERM to this process, since a worker left behind would hold the port and could never
+  take part in a checkpoint again.
+
+A participant may define ``check_forget(rollout_ids)`` (plain or async) to refuse a forget
+it cannot do yet (e.g. sessions not freed): it raises, typically
+:class:`~gymckpt.errors.RetireIncomplete`. The link itself refuses while one of its own
+retires of those rollouts still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.control.plane import readiness_report
+from gymckpt.errors import CoordinatorUnavailable, GymckptError, InvalidPhase, InvalidRequest, RetireIncomplete
+from gymckpt.identity import AttemptsUpTo, first_keys
+from gymckpt.store.codec import encoded
+from gymckpt.store.manifest import Manifest
+from gymckpt.workers import messages
+from gymckpt.workers.channel import Channel
+from gymckpt.workers.messages import Message
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from gymckpt.control.models import PrepareReport
+    from gymckpt.control.participant import Participant
+
+__all__ = ["CONNECT_RETRY_SECONDS", "WorkerLink", "local_report", "terminate_this_worker"]
+
+logger = logging.getLogger(__name__)
+
+#: how often a connecting worker retries a socket that is missing or refuses, in seconds
+CONNECT_RETRY_SECONDS = 0.1
+
+
+def terminate_this_worker() -> None:
+    """The default ``on_coordinator_lost``: SIGTERM to this process (uvicorn's worker shuts down)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def local_report(participant: Participant) -> PrepareReport:
+    """The participant's readiness as a prepare report (what the control plane would reply)."""
+    return readiness_report(participant)
+
+
+def _encode_lines(records: Iterable[dict[str, Any]]) -> list[list[str]]:
+    """Each record encoded once: ``[episode_id, line]`` (the line is UTF-8 JSON, so it travels as text)."""
+    return [[episode_id, line.decode("utf-8")] for episode_id, line in map(encoded, records)]
+
+
+def _field(body: object, name: str, kind: type | tuple[type, ...]) -> Any:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, kind):
+        raise InvalidRequest(f"the message needs {name!r} of type {kind}, not {value!r}")
+    return value
+
+
+def _keys(body: object, name: str) -> list[str]:
+    values = _field(body, name, list)
+    if not all(isinstance(value, str) for value in values):
+        raise InvalidRequest(f"{name!r} must be a list of strings")
+    return values
+
+
+class WorkerLink:
+    """Connects one worker's ``participant`` to its server's coordinator at ``socket_path``."""
+
+    def __init__(
+        self,
+        participant: Participant,
+        socket_path: Path | str,
+        *,
+        on_coordinator_lost: Callable[[], None] | None = None,
+        routing_id: str | None = None,
+        connect_timeout: float = messages.MESSAGE_TIMEOUT_SECONDS,
+    ) -> None:
+        self.participant = participant
+        self.socket_path = Path(socket_path)
+        self.on_coordinator_lost = on_coordinator_lost or terminate_this_worker
+        self.routing_id = routing_id
+        self.connect_timeout = connect_timeout
+        #: this worker's admission, as the coordinator last set it
+        self.accepting = True
+        #: the coordinator's generation of the checkpoint this worker closed for
+        self.generation = 0
+        self._channel: Channel | None = None
+        self._disconnecting = False
+        self._seq = itertools.count(1)
+        self._last_sent: PrepareReport | None = None
+        self._report_pending = False
+        self._sender: asyncio.Task[None] | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._admission = asyncio.Lock()
+        self._retiring: dict[int, AttemptsUpTo] = {}
+        self._retire_ids = itertools.count()
+        self._exported: list[dict[str, Any]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        participant.add_readiness_listener(self._readiness_changed)
+
+    @property
+    def channel(self) -> Channel | None:
+        """The connection to the coordinator, None when there is none (never connected, or it ended)."""
+        channel = self._channel
+        return channel if channel is not None and not channel.closed.is_set() else None
+
+    # --- connection
+
+    async def connect(self) -> None:
+        """Connect, register and adopt the join state; :class:`CoordinatorUnavailable` if nobody listens in time."""
+        if self.channel is not None:
+            raise RuntimeError("this worker is connected already")
+        self._loop = asyncio.get_running_loop()
+        reader, writer = await self._open_connection()
+        channel = Channel(reader, writer, name=f"{self.participant.kind} coordinator")
+        self._serve(channel)
+        self._disconnecting = False
+        self._channel = channel
+        channel.start()
+        self._watcher = asyncio.create_task(self._watch(channel), name="gymckpt-coordinator-watch")
+        async with self._admission:  # a close or open sent right after the join waits for the adoption
+            try:
+                body = {"pid": os.getpid(), "routing_id": self.routing_id}
+                state = await channel.request(Message.REGISTER, body, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+                await self._adopt(state)
+            except BaseException:
+                await self.disconnect()
+                raise
+
+    async def _open_connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return await asyncio.open_unix_connection(os.fspath(self.socket_path))
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                if time.monotonic() >= deadline:
+                    raise CoordinatorUnavailable(
+                        f"no {self.participant.kind} checkpoint coordinator at {self.socket_path} "
+                        f"after {self.connect_timeout} s: {exc}"
+                    ) from exc
+                await asyncio.sleep(CONNECT_RETRY_SECONDS)
+
+    async def _adopt(self, state: object) -> None:
+        marks = _field(state, "marks", dict)
+        self.participant.fence.update(marks)
+        if _field(state, "accepting", bool):
+            if not self.accepting:  # closed for a coordinator that is gone: this one is open
+                await self._open_locally()
+            return
+        request = _field(state, "request", dict)
+        await self._close_locally(_field(request, "checkpoint_id", str), _field(state, "generation", int))
+        self._schedule_report()
+
+    async def disconnect(self) -> None:
+        """Leave the coordinator on purpose (shutdown): ``on_coordinator_lost`` is not called."""
+        self._disconnecting = True
+        channel, self._channel = self._channel, None
+        self._stop_polling()
+        sender = self._sender
+        if sender is not None and sender is not asyncio.current_task():
+            sender.cancel()
+        if channel is not None:
+            await channel.close()
+        watcher = self._watcher
+        if watcher is not None and watcher is not asyncio.current_task():
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    async def _watch(self, channel: Channel) -> None:
+        await channel.closed.wait()
+        if self._disconnecting or channel is not self._channel:
+            return
+        logger.error(
+            "lost the %s checkpoint coordinator (%s); shutting this worker down",
+            self.participant.kind,
+            channel.close_reason,
+        )
+        self._channel = None
+        self._stop_polling()
+        self.on_coordinator_lost()
+
+    def _serve(self, channel: Channel) -> None:
+        handlers = {
+            Message.CLOSE: self._on_close,
+            Message.OPEN: self._on_open,
+            Message.MARK: self._on_mark,
+            Message.RETIRE: self._on_retire,
+            Message.CHECK_FORGET: self._on_check_forget,
+            Message.FORGET: self._on_forget,
+            Message.EXPORT: self._on_export,
+            Message.INSTALL: self._on_install,
+            Message.LIVE_WORK: self._on_live_work,
+            Message.PARK: self._on_park,
+            Message.DELETE_RESTORED: self._on_delete_restored,
+        }
+        for kind, handler in handlers.items():
+            channel.handle(kind, handler)
+
+    # --- admission
+
+    async def _close_locally(self, checkpoint_id: str, generation: int) -> None:
+        self.generation = generation
+        self.accepting = False
+        self._last_sent = None
+        await self.participant.close_admission(checkpoint_id)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll(), name="gymckpt-report-poll")
+
+    async def _on_close(self, body: object) -> dict[str, Any]:
+        async with self._admission:
+            await self._close_locally(_field(body, "checkpoint_id", str), _field(body, "generation", int))
+            return self._numbered(local_report(self.participant))
+
+    async def _open_locally(self) -> None:
+        self.accepting = True
+        self._last_sent = None
+        self._exported = []
+        self._stop_polling()
+        await self.participant.open_admission()
+
+    async def _on_open(self, body: object) -> dict[str, Any]:
+        async with self._admission:
+            await self._open_locally()
+        return {}
+
+    # --- reports
+
+    def _numbered(self, report: PrepareReport) -> dict[str, Any]:
+        self._last_sent = report
+        return {"seq": next(self._seq), "report": report.model_dump(mode="json")}
+
+    def _readiness_changed(self) -> None:
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is not None and running is not loop:
+            loop.call_soon_threadsafe(self._schedule_report)
+        else:
+            self._schedule_report()
+
+    def _schedule_report(self) -> None:
+        """Push the current report soon (while closed and connected); one sender task takes every request."""
+        if self.accepting or self.channel is None:
+            return
+        self._report_pending = True
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send_reports(), name="gymckpt-report")
+
+    async def _send_reports(self) -> None:
+        while self._report_pending and not self.accepting:
+            self._report_pending = False
+            channel = self.channel
+            report = local_report(self.participant)
+            if channel is None or report == self._last_sent:
+                continue
+            body = {"generation": self.generation, **self._numbered(report)}
+            try:
+                await channel.request(Message.REPORT, body, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+            except GymckptError:
+                logger.warning(
+                    "could not report to the %s checkpoint coordinator", self.participant.kind, exc_info=True
+                )
+                return
+
+    def _stop_polling(self) -> None:
+        poller, self._poller = self._poller, None
+        if poller is not None and poller is not asyncio.current_task():
+            poller.cancel()
+
+    async def _poll(self) -> None:
+        """While closed: look again every poll interval, since some readiness changes notify nobody."""
+        while not self.accepting:
+            await asyncio.sleep(messages.REPORT_POLL_SECONDS)
+            self._schedule_report()
+
+    # --- retire and forget
+
+    async def _on_mark(self, body: object) -> dict[str, Any]:
+        for key in _keys(body, "episode_ids"):
+            self.participant.fence.mark(key)
+        return {}
+
+    async def _on_retire(self, body: object) -> dict[str, Any]:
+        keys = _keys(body, "episode_ids")  # marked already: the coordinator sends mark first
+        token = next(self._retire_ids)
+        self._retiring[token] = AttemptsUpTo(keys)
+        try:
+            await self.participant.retire(keys)
+        finally:
+            del self._retiring[token]
+        return {}
+
+    async def _on_check_forget(self, body: object) -> dict[str, Any]:
+        rollouts = set(_keys(body, "rollout_ids"))
+        freeing = sorted({rollout for group in self._retiring.values() for rollout in group.snapshot()} & rollouts)
+        if freeing:
+            raise RetireIncomplete(
+                f"this worker still stops and frees {first_keys(freeing)}; forget them once it finished"
+            )
+        check = getattr(self.participant, "check_forget", None)
+        if check is not None:
+            result = check(sorted(rollouts))
+            if inspect.isawaitable(result):
+                await result
+        return {}
+
+    async def _on_forget(self, body: object) -> dict[str, Any]:
+        rollouts = _keys(body, "rollout_ids")
+        self.participant.fence.forget(rollouts)
+        await self.participant.forget(rollouts)
+        return {}
+
+    # --- commit
+
+    async def _on_export(self, body: object) -> dict[str, Any]:
+        participant = self.participant
+        if self.accepting:
+            raise InvalidPhase("this worker's admission is open: no checkpoint to export")
+        if not participant.ready():
+            raise InvalidPhase(
+                f"no longer ready to commit: {participant.blocker_count()} executions of this worker are not at a boundary"
+            )
+        scope = body.get("episode_ids") if isinstance(body, dict) else None
+        if scope is not None:
+            scope = _keys(body, "episode_ids")
+        records = list(await participant.export(scope))
+        self._exported = records
+        return {"records": await asyncio.to_thread(_encode_lines, records)}
+
+    async def _on_park(self, body: object) -> dict[str, Any]:
+        wanted = set(_keys(body, "episode_ids"))
+        await self.participant.park_exported([record for record in self._exported if record["episode_id"] in wanted])
+        return {}
+
+    async def _on_delete_restored(self, body: object) -> dict[str, Any]:
+        await self.participant.delete_restored(_keys(body, "episode_ids"))
+        return {}
+
+    # --- restore
+
+    async def _on_live_work(self, body: object) -> dict[str, Any]:
+        return {"episode_ids": sorted(self.participant.live_work())}
+
+    async def _on_install(self, body: object) -> dict[str, Any]:
+        participant = self.participant
+        records = _field(body, "records", list)
+        scope = _keys(body, "scope")
+        participant.fence.update(_field(body, "marks", dict))
+        manifest = _field(body, "manifest", (dict, type(None)))
+        parsed = None
+        if manifest is not None:
+            raw = _field(manifest, "raw", str).encode("utf-8")
+            path = _field(manifest, "path", str)
+            parsed = Manifest.parse(raw, path=path, kind=participant.kind, instance=participant.instance)
+        await participant.install(records, scope, parsed)  # type: ignore[arg-type]
+        return {}

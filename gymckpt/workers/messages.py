@@ -1,0 +1,151 @@
+"""The messages between a server's coordinator and its workers, and their timeouts: one table.
+
+Every message travels on the worker's one :class:`~gymckpt.workers.channel.Channel` as
+``{"id", "kind", "body"}`` and is answered with the reply body below (or a typed error).
+Episode ids are capture keys; a report is a :class:`~gymckpt.control.models.PrepareReport`
+as JSON.
+
+Worker → coordinator:
+
+- ``register {pid, routing_id | null}`` → the join state ``{accepting, generation, request,
+  marks}``: ``request`` is ``{checkpoint_id, deadline_ts}`` while a checkpoint is open (else
+  null), ``marks`` the fence's snapshot (rollout id → highest retired attempt).
+- ``report {generation, seq, report}`` → ``{kept}``: kept only for the current generation,
+  while closed, and with a ``seq`` above the worker's last one.
+- ``control {operation, body}`` (a control route's request, :data:`CONTROL_OPERATIONS`) →
+  the control reply as JSON, or its error.
+
+Coordinator → worker (each replies ``{}`` unless noted):
+
+- ``close {checkpoint_id, deadline_ts | null, generation}`` → ``{seq, report}``, the
+  worker's first report of that generation.
+- ``open {}``.
+- ``mark {episode_ids}``: refuse these attempts (and earlier ones) until forget.
+- ``retire {episode_ids}``: stop and free them (sent after ``mark``).
+- ``check_forget {rollout_ids}``: ``{}``, or a refusal such as ``retire_incomplete``.
+- ``forget {rollout_ids}``.
+- ``export {episode_ids | null}`` → ``{records: [[episode_id, line], …]}``: each record
+  encoded once (:func:`gymckpt.store.codec.encoded`), its line as text; refused with
+  ``invalid_phase`` by a worker no longer ready.
+- ``install {records, scope, manifest, marks}``: ``manifest`` is ``{path, raw}`` (the
+  stored bytes as text) or null, ``marks`` the fence's snapshot (the restore's marks).
+- ``live_work {}`` → ``{episode_ids}``.
+- ``park {episode_ids}``: the exported episodes among these (commit ``stop``).
+- ``delete_restored {episode_ids}``.
+
+Timeouts: :data:`MESSAGE_TIMEOUT_SECONDS` for the fast messages; a message that does work
+bounded by a control call's deadline waits ``max(0, deadline_ts - now)`` plus
+:data:`REPLY_GRACE_SECONDS` (:func:`deadline_timeout`); ``export`` and ``install`` wait as
+long as the control plane does (its deadline ends the caller's wait, a resume the export).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from gymckpt.control.models import (
+    CommitReply,
+    CommitRequest,
+    ControlRequest,
+    ForgetReply,
+    ForgetRequest,
+    PrepareReply,
+    RenewReply,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    RetireReply,
+    RetireRequest,
+    StatusReply,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from pydantic import BaseModel
+
+__all__ = [
+    "CONTROL_OPERATIONS",
+    "FROM_WORKER",
+    "MESSAGE_TIMEOUT_SECONDS",
+    "REPLY_GRACE_SECONDS",
+    "REPORT_POLL_SECONDS",
+    "TO_WORKER",
+    "ControlOperation",
+    "Message",
+    "deadline_timeout",
+]
+
+#: the timeout of a message that does no slow work (register, report, open, mark, check_forget, live_work), in seconds
+MESSAGE_TIMEOUT_SECONDS = 30.0
+#: how far past a control call's own deadline its sender waits for the reply, in seconds
+REPLY_GRACE_SECONDS = 10.0
+#: how often a closed worker re-checks its readiness (some changes notify nobody), in seconds
+REPORT_POLL_SECONDS = 0.5
+
+
+class Message:
+    """Every message kind (the tables above), as the plain strings the frames carry."""
+
+    # worker → coordinator
+    REGISTER: Final = "register"
+    REPORT: Final = "report"
+    CONTROL: Final = "control"
+    # coordinator → worker
+    CLOSE: Final = "close"
+    OPEN: Final = "open"
+    MARK: Final = "mark"
+    RETIRE: Final = "retire"
+    CHECK_FORGET: Final = "check_forget"
+    FORGET: Final = "forget"
+    EXPORT: Final = "export"
+    INSTALL: Final = "install"
+    LIVE_WORK: Final = "live_work"
+    PARK: Final = "park"
+    DELETE_RESTORED: Final = "delete_restored"
+
+
+FROM_WORKER = frozenset({Message.REGISTER, Message.REPORT, Message.CONTROL})
+TO_WORKER = frozenset(
+    {
+        Message.CLOSE,
+        Message.OPEN,
+        Message.MARK,
+        Message.RETIRE,
+        Message.CHECK_FORGET,
+        Message.FORGET,
+        Message.EXPORT,
+        Message.INSTALL,
+        Message.LIVE_WORK,
+        Message.PARK,
+        Message.DELETE_RESTORED,
+    }
+)
+
+
+class ControlOperation(NamedTuple):
+    """A control route as a ``control`` message carries it: its request model (None: no body) and reply model."""
+
+    request: type[BaseModel] | None
+    reply: type[BaseModel]
+
+
+#: every control route a worker forwards, by the operation name the ``control`` message carries
+CONTROL_OPERATIONS: dict[str, ControlOperation] = {
+    "status": ControlOperation(None, StatusReply),
+    "prepare": ControlOperation(ControlRequest, PrepareReply),
+    "renew": ControlOperation(ControlRequest, RenewReply),
+    "commit": ControlOperation(CommitRequest, CommitReply),
+    "restore": ControlOperation(RestoreRequest, RestoreReply),
+    "resume": ControlOperation(ControlRequest, ResumeReply),
+    "retire": ControlOperation(RetireRequest, RetireReply),
+    "forget": ControlOperation(ForgetRequest, ForgetReply),
+}
+
+
+def deadline_timeout(deadline_ts: float | None, *, clock: Callable[[], float] = time.time) -> float:
+    """How long to wait for the reply to work bounded by ``deadline_ts`` (None: a fast message's time), plus the grace."""
+    if deadline_ts is None:
+        return MESSAGE_TIMEOUT_SECONDS + REPLY_GRACE_SECONDS
+    return max(0.0, deadline_ts - clock()) + REPLY_GRACE_SECONDS
