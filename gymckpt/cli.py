@@ -149,6 +149,8 @@ def verify_command(
 
     \b
     URL is a local path, file://, or s3://bucket/prefix.
+    Checkpoints the reference stack's store wrote are checked too, as far as
+    their manifests allow; the report names each participant's format.
     Exit status:
       0  clean (warnings allowed)
       1  errors found: the checkpoint is damaged
