@@ -76,6 +76,8 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
 
 from __future__ import annotations
 
+import json
+
 __all__ = [
     "AgentError",
     "AgentRequestError",
@@ -222,8 +224,6 @@ class DownstreamError(GymckptError):
     @property
     def wire_code(self) -> str | None:
         """The downstream's ``{"error": {"code"}}``, None when its body carries none."""
-        import json
-
         try:
             payload = json.loads(self.body)
         except (ValueError, TypeError):

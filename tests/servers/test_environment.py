@@ -50,6 +50,12 @@ async def _control(client: httpx.AsyncClient, op: str, **body: Any) -> httpx.Res
     return await client.post(f"{CONTROL_PREFIX}/{op}", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
 
 
+async def _status(client: httpx.AsyncClient) -> dict[str, Any]:
+    reply = await client.get(f"{CONTROL_PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()  # type: ignore[no-any-return]
+
+
 async def _entered(fake: Any, name: str) -> None:
     assert await asyncio.to_thread(fake.entered[name].wait, 30), f"{name} never started"
 
@@ -156,7 +162,7 @@ def test_a_new_episode_while_a_checkpoint_is_open_is_parked_and_runs_after_resum
             parked = await client.post("/run", json={"episode_id": {"rollout_id": "n", "attempt": 0}, "task": TASK})
             assert (parked.status_code, parked.json()["error"]["code"]) == (409, "checkpoint_parked")
             assert fake.calls == []  # refused before any step
-            status = (await client.get(f"{CONTROL_PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+            status = await _status(client)
             assert status["report"]["counts"].get("live", 0) == 0
             assert (await _control(client, "resume", checkpoint_id="p1")).status_code == 200
             reply = await client.post("/run", json={"episode_id": {"rollout_id": "n", "attempt": 0}, "task": TASK})
@@ -252,7 +258,7 @@ def test_retire_stops_a_running_episode_and_refuses_its_attempt(fake: Any) -> No
             assert reply["failure"] == {"failure_reason": "retired", "terminal": True}
             again = await client.post("/run", json={"episode_id": "x", "task": TASK})
             assert again.json()["error"]["code"] == "stale_attempt"
-            status = (await client.get(f"{CONTROL_PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"})).json()
+            status = await _status(client)
             assert status["report"]["counts"]["live"] == 0
 
     asyncio.run(main())
