@@ -21,6 +21,8 @@ from rich.text import Text
 from gymckpt._version import __version__
 from gymckpt.errors import GymckptError, InvalidCheckpointState, UnusableDirectory
 from gymckpt.stack import KINDS, build_server, load_stack
+from gymckpt.stack.kinds import load_config
+from gymckpt.stack.serving import MAX_WORKERS, serve
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
 from gymckpt.store.layout import check_readable_name
@@ -127,7 +129,7 @@ def main() -> None:
     gymckpt verify ./checkpoints/ckpt-7        check a checkpoint offline
     gymckpt inspect ./checkpoints/ckpt-7       list its participants
     gymckpt demo                               checkpoint in-flight rollouts, crash, restore, continue
-    gymckpt serve KIND --port N                run one reference server
+    gymckpt serve KIND --port N [--workers N]  run one reference server
     gymckpt stack up STACK.yaml                run a whole stack of them
     """
 
@@ -401,19 +403,31 @@ def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episod
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--fd", type=int, help="Serve an inherited listening socket instead of binding host:port.")
-def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None) -> None:
+@click.option(
+    "--workers",
+    type=click.IntRange(1, MAX_WORKERS),
+    default=1,
+    show_default=True,
+    help="uvicorn worker processes. Above 1, this process coordinates them: one checkpoint participant "
+    "for all of them, and each session's requests routed to the worker that holds it.",
+)
+def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None, workers: int) -> None:
     """Run one reference server (inference, model, agent, counter, weather, environment).
 
     The config file holds the server's own fields and a checkpoint: block; with
     checkpoint.enabled false (the default) no checkpoint route or behaviour is installed.
+    With --workers N the control routes answer the same on every worker, a checkpoint
+    covers every worker's work, and a restore may run on another worker count.
     """
     import uvicorn
 
     try:
-        app, _ = build_server(kind, config_file)
+        app = build_server(kind, config_file)[0] if workers == 1 else load_config(kind, config_file)
     except (ValueError, ImportError, OSError) as exc:  # invalid YAML, a bad field, an unreadable file
         _fail(f"cannot build the {kind} server: {exc}")
-    if fd is not None:
+    if workers > 1:
+        serve(kind, config_file, host=host, port=port, fd=fd, workers=workers)
+    elif fd is not None:
         uvicorn.run(app, fd=fd, log_level="warning")
     else:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -24,6 +24,8 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── DownstreamError                          502 downstream_error: a server this one calls answered an error
     │   └── InferenceFailed                      502 inference_failed: the policy model's backend failed
     ├── ClientDisconnected                       499 client_disconnected: nobody reads the reply any more
+    ├── SessionOwnerGone                         410 session_owner_gone: the worker that held a session exited
+    ├── SessionForwardFailed                     502 session_forward_failed: the owning worker did not answer
     ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, network)
     │   └── UnsupportedStorage                   a backend lacks a capability the store needs
     ├── WriteStopped                             a write was stopped before it published
@@ -90,6 +92,8 @@ __all__ = [
     "ControlError",
     "CoordinationError",
     "CoordinatorUnavailable",
+    "SessionForwardFailed",
+    "SessionOwnerGone",
     "DeadlineExceeded",
     "DownstreamError",
     "DuplicateEpisode",
@@ -276,6 +280,20 @@ class UnsupportedStorage(StorageError):
 
     code = "unsupported_storage"
     status = 400
+
+
+class SessionOwnerGone(GymckptError):
+    """A request of a session whose owning worker is no longer running: its state is lost, start a new session."""
+
+    code = "session_owner_gone"
+    status = 410
+
+
+class SessionForwardFailed(GymckptError):
+    """A request forwarded to the worker that owns its session got no reply from it."""
+
+    code = "session_forward_failed"
+    status = 502
 
 
 class WriteStopped(GymckptError):
@@ -534,6 +552,8 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         DownstreamError,
         InferenceFailed,
         ClientDisconnected,
+        SessionOwnerGone,
+        SessionForwardFailed,
         StorageError,
         UnsupportedStorage,
         WriteStopped,

@@ -435,6 +435,10 @@ class Coordinator:
             result._report(_DEPLOYMENT, errors.GymckptError(NO_POLICY_MODEL))
         return result
 
+    async def status(self, url: str) -> dict[str, Any]:
+        """One server's status reply (within :attr:`probe_timeout`)."""
+        return await self._call(url, "status", None, timeout=self.probe_timeout)  # type: ignore[no-any-return]
+
     async def _probe(self, url: str) -> ParticipantInfo | None:
         """One server's participant, or None when it has none (404); raises why it failed."""
         give_up = time.monotonic() + self.probe_timeout

@@ -40,6 +40,9 @@ class Participant(ABC):
     plane: ControlPlane | None = None
     #: an ASGI middleware class ``install_checkpointing`` adds (``participant=self``), or None
     middleware: ClassVar[type | None] = None
+    #: where restored whole-episode state of another process waits (a worker's coordinator):
+    #: ``await claim_source(key)`` gives its record once, else None (see :meth:`take_restored`)
+    claim_source: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None
 
     @property
     def fence(self) -> RetireMarks:
@@ -107,6 +110,21 @@ class Participant(ABC):
         """Install restored records; ``scope`` holds every next-attempt key the restore continues
         (records are already keyed by their next-attempt capture key); ``manifest`` is the one
         they were read by (its extra fields, e.g. which worker owned which session)."""
+
+    async def take_restored(self, key: str) -> bool:
+        """Install ``key``'s restored whole-episode record from :attr:`claim_source`, if it holds one.
+
+        Called by a server before it starts (or continues) the episode of ``key``; True when a
+        record was taken and installed here. Without a claim source (one process) nothing happens.
+        """
+        source = self.claim_source
+        if source is None:
+            return False
+        record = await source(key)
+        if record is None:
+            return False
+        await self.install([record], [key], None)  # type: ignore[arg-type]
+        return True
 
     def claim_restored(self, key: str) -> bool:
         """Take restored whole-episode state of ``key`` for the request that continues it.

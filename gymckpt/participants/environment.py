@@ -62,6 +62,18 @@ class EnvironmentParticipant(RegistryParticipant):
 
     # --- episodes, for the server's /run
 
+    async def start_run(self, key: str, task: Any) -> Episode:
+        """:meth:`begin_run`, after taking ``key``'s restored record from another process if one waits there.
+
+        On a server with several workers the coordinator holds restored episodes: the worker
+        that receives the replacement ``/run`` claims its record (exactly one claim gets it;
+        while a checkpoint is open the claim is ``checkpoint_parked``, like a new episode).
+        """
+        self.check_attempt(key)
+        if self.registry.get(key) is None:
+            await self.take_restored(key)
+        return self.begin_run(key, task)
+
     def begin_run(self, key: str, task: Any) -> Episode:
         """The episode a ``/run`` of ``key`` runs: a restored one to continue, or a new one.
 

@@ -32,7 +32,7 @@ logger = logging.getLogger("gymckpt.participants")
 
 
 class SeveralWorkersError(RuntimeError):
-    """Checkpointing is on in a process that is one of several uvicorn workers of one server."""
+    """Checkpointing is on in one of several uvicorn workers that no gymckpt coordinator started."""
 
 
 def uvicorn_worker_count() -> int:
@@ -57,10 +57,10 @@ def refuse_several_workers() -> None:
     workers = uvicorn_worker_count()
     if workers > 1:
         raise SeveralWorkersError(
-            f"checkpointing supports one worker per server today, but this server runs {workers} uvicorn "
-            "workers (each control call would reach an arbitrary one): run it with --workers 1 (and no "
-            "WEB_CONCURRENCY above 1), or turn checkpoint.enabled off. Several uvicorn workers per server "
-            "is the planned gymckpt.workers feature."
+            f"this server runs {workers} uvicorn workers with checkpointing on, but no checkpoint coordinator "
+            "(each control call would reach an arbitrary worker): start it with `gymckpt serve KIND --workers "
+            f"{workers}` (or a stack entry's `workers: {workers}`), whose main process coordinates the workers "
+            "as one participant, or run it with --workers 1, or turn checkpoint.enabled off."
         )
 
 

@@ -575,6 +575,8 @@ def build_agent_app(config: AgentConfig) -> FastAPI:
         if participant is not None:
             await participant.close_session(key)
         agent.close_session(key)
+        if (episode := current_episode()) is not None:
+            downstream.forget_episode(episode)
         return {"closed": True}
 
     @app.post("/run")
@@ -592,13 +594,20 @@ def build_agent_app(config: AgentConfig) -> FastAPI:
         elif prefixed is not None and prefixed != episode:
             raise InvalidRolloutId(f"the row names {episode} but the path names {prefixed}")
         key = episode.capture_key if episode is not None else None
+        if participant is not None and key is not None and participant.kind_of(key) is None:
+            participant.check_attempt(key)
+            await participant.take_restored(key)  # several workers: the coordinator holds restored runs
         if participant is not None and key is not None and participant.kind_of(key) == RUN:
             restored = participant.registry.get(key)
             if restored is not None and restored.restored:
                 agent.check_restored_run(restored.boundary, row)  # before the run would consume it
         with episode_context(episode):
-            if participant is None:
-                return await agent.run_legacy(row, PlainActivation(key))
-            return await participant.run(key, lambda activation: agent.run_legacy(row, activation), kind=RUN)
+            try:
+                if participant is None:
+                    return await agent.run_legacy(row, PlainActivation(key))
+                return await participant.run(key, lambda activation: agent.run_legacy(row, activation), kind=RUN)
+            finally:
+                if episode is not None:
+                    downstream.forget_episode(episode)
 
     return app

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -16,6 +18,8 @@ from gymckpt.errors import DownstreamError, GymckptError
 from gymckpt.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
+from gymckpt.workers.process import ENV_RUNTIME, ENV_WORKERS, install_worker
+from gymckpt.workers.routing import COOKIE_NAME
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -27,12 +31,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEALTH_PATH",
+    "RELAY_HEADER",
+    "CookieRelayMiddleware",
     "Downstream",
     "DownstreamError",
     "ServerConfig",
     "add_health_route",
     "build_app",
     "load_server_config",
+    "relayed_cookies",
 ]
 
 C = TypeVar("C", bound="ServerConfig")
@@ -73,19 +80,67 @@ class Downstream:
     With checkpointing on, a call made for an episode (given, or the current request's)
     goes to ``/ng-rollout/<capture key><path>``; with it off, to ``<path>`` unchanged with
     the episode named in the ``x-session-id`` header, the reference servers' session.
+
+    A server with several workers names the worker that holds an episode's session in a
+    session cookie (:data:`~gymckpt.workers.routing.COOKIE_NAME`): it is kept per episode and
+    server and sent back on that episode's later calls there, so they reach that worker. At
+    most :attr:`MAX_EPISODE_COOKIES` episodes keep cookies (the least recently used go first);
+    :meth:`forget_episode` drops one's when it ends. A call also carries the episode's cookies
+    of the other servers in :data:`RELAY_HEADER`, so the server called (an agent) reaches the
+    same workers when it calls them for the episode (:class:`CookieRelayMiddleware` takes them).
     """
+
+    MAX_EPISODE_COOKIES = 65_536
 
     def __init__(self, *, checkpointing: bool, connector_limit: int = 0) -> None:
         self.checkpointing = checkpointing
         self._limit = connector_limit
         self._session: aiohttp.ClientSession | None = None
+        #: capture key → server base URL → the session cookie's value
+        self._cookies: OrderedDict[str, dict[str, str]] = OrderedDict()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._limit), timeout=aiohttp.ClientTimeout(total=None)
+                connector=aiohttp.TCPConnector(limit=self._limit),
+                timeout=aiohttp.ClientTimeout(total=None),
+                cookie_jar=aiohttp.DummyCookieJar(),  # one jar would mix every episode's sessions
             )
         return self._session
+
+    def session_cookie(self, base: str, episode: EpisodeId | None) -> str | None:
+        """The session cookie a server at ``base`` gave ``episode`` (None: none yet)."""
+        if episode is None:
+            return None
+        held = self._cookies.get(episode.capture_key)
+        return None if held is None else held.get(base.rstrip("/"))
+
+    def _keep_cookie(self, base: str, episode: EpisodeId, value: str) -> None:
+        key = episode.capture_key
+        held = self._cookies.get(key)
+        if held is None:
+            held = self._cookies[key] = {}
+            while len(self._cookies) > self.MAX_EPISODE_COOKIES:
+                self._cookies.popitem(last=False)
+        else:
+            self._cookies.move_to_end(key)
+        held[base.rstrip("/")] = value
+
+    def adopt_cookies(self, episode: EpisodeId, cookies: dict[str, str]) -> None:
+        """Keep session cookies a caller relayed for ``episode`` (base URL → value)."""
+        for base, value in cookies.items():
+            self._keep_cookie(base, episode, value)
+
+    def _relayed(self, base: str, episode: EpisodeId) -> str | None:
+        held = self._cookies.get(episode.capture_key)
+        if not held:
+            return None
+        others = {other: value for other, value in held.items() if other != base.rstrip("/")}
+        return orjson.dumps(others).decode() if others else None
+
+    def forget_episode(self, episode: EpisodeId) -> None:
+        """The episode ended: drop the session cookies it was given."""
+        self._cookies.pop(episode.capture_key, None)
 
     def url(self, base: str, path: str, episode: EpisodeId | None = None) -> str:
         """The URL of ``path`` on ``base`` for ``episode`` (or the current request's)."""
@@ -103,7 +158,16 @@ class Downstream:
         episode = episode if episode is not None else current_episode()
         if not self.checkpointing and episode is not None:
             headers[SESSION_HEADER] = episode.capture_key  # no rollout prefix: name the session instead
+        cookie = self.session_cookie(base, episode)
+        if cookie is not None:
+            headers["Cookie"] = f"{COOKIE_NAME}={cookie}"
+        relayed = self._relayed(base, episode) if episode is not None else None
+        if relayed is not None:
+            headers[RELAY_HEADER] = relayed
         async with self._client().post(url, data=orjson.dumps(body), headers=headers) as response:
+            stamped = response.cookies.get(COOKIE_NAME)
+            if stamped is not None and episode is not None and stamped.value:
+                self._keep_cookie(base, episode, stamped.value)
             raw = await response.read()
             headers = {name.lower(): value for name, value in response.headers.items()}
             if response.status >= 400:
@@ -117,6 +181,41 @@ class Downstream:
             self._session = None
 
 
+#: the session cookies a caller holds for the request's episode on other servers: JSON ``{base URL: value}``
+RELAY_HEADER = "x-ng-session-cookies"
+#: the most cookies (and bytes) one relay header may carry; a larger one is ignored
+_RELAY_MAX_COOKIES, _RELAY_MAX_BYTES = 32, 16_384
+
+
+def relayed_cookies(value: bytes) -> dict[str, str]:
+    """The cookies of a :data:`RELAY_HEADER` value; anything malformed or too large is none."""
+    if len(value) > _RELAY_MAX_BYTES:
+        return {}
+    try:
+        cookies = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return {}
+    if not isinstance(cookies, dict) or len(cookies) > _RELAY_MAX_COOKIES:
+        return {}
+    return {base: cookie for base, cookie in cookies.items() if isinstance(cookie, str) and cookie.isascii()}
+
+
+class CookieRelayMiddleware:
+    """Take the session cookies a caller relayed for the request's episode into ``downstream``."""
+
+    def __init__(self, app: Any, downstream: Downstream) -> None:
+        self.app = app
+        self.downstream = downstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            value = next((v for name, v in scope["headers"] if name == RELAY_HEADER.encode()), None)
+            episode = current_episode() if value is not None else None
+            if value is not None and episode is not None:
+                self.downstream.adopt_cookies(episode, relayed_cookies(value))
+        await self.app(scope, receive, send)
+
+
 #: every reference server answers ``GET /health`` with ``{"status": "ok"}``, checkpointing on or off
 HEALTH_PATH = "/health"
 
@@ -127,6 +226,14 @@ def add_health_route(app: FastAPI) -> None:
     @app.get(HEALTH_PATH, tags=["health"])
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+
+def _is_one_of_several_workers() -> bool:
+    """True in a worker process ``gymckpt serve KIND --workers N`` started (N above 1)."""
+    try:
+        return bool(os.environ.get(ENV_RUNTIME)) and int(os.environ.get(ENV_WORKERS, "1")) > 1
+    except ValueError:
+        return False
 
 
 def build_app(
@@ -158,7 +265,13 @@ def build_app(
     app = FastAPI(title=title, lifespan=lifespan)
     add_health_route(app)
     app.add_exception_handler(GymckptError, handle_gymckpt_error)  # every reference server: one error body
-    if participant is not None:
+    app.add_middleware(CookieRelayMiddleware, downstream=downstream)  # innermost: the episode is known there
+    if _is_one_of_several_workers():
+        enabled = config.checkpoint.enabled and participant is not None
+        plane = install_worker(  # type: ignore[assignment]
+            app, participant if enabled else None, config.checkpoint if enabled else None, dict(os.environ)
+        )
+    elif participant is not None:
         plane = install_checkpointing(app, participant, config.checkpoint, plane=plane)
     if not config.checkpoint.enabled:
         app.add_middleware(SessionHeaderMiddleware)

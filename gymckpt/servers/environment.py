@@ -139,7 +139,7 @@ def build_environment_app(config: EnvironmentConfig) -> FastAPI:
         task_id = task.get("task_id")
         try:
             episode_id = EpisodeId.from_capture_key(episode_key(key))
-            episode = participant.begin_run(episode_id.capture_key, task) if participant is not None else None
+            episode = await participant.start_run(episode_id.capture_key, task) if participant is not None else None
         except GymckptError as exc:
             return error_response(exc)
         work = asyncio.create_task(run_stages(config, downstream, episode_id, task, episode))
@@ -154,6 +154,8 @@ def build_environment_app(config: EnvironmentConfig) -> FastAPI:
         except DownstreamError as exc:
             return _failure(episode_id, task_id, str(exc), terminal=False)
         finally:
+            if work.done():
+                downstream.forget_episode(episode_id)
             if participant is not None and episode is not None and work.done():
                 participant.end_run(episode_id.capture_key, episode)
         return JSONResponse({"episode_id": episode_id.to_wire(), "task_id": task_id, "result": result})

@@ -45,8 +45,12 @@ def default_stack_spec(
     tool_turns: int = 3,
     resources: str = "counter",
     allowed_roots: list[str] | None = None,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """The reference stack: inference, model, a resources server, the agent, the environment."""
+    """The reference stack: inference, model, a resources server, the agent, the environment.
+
+    ``workers``: uvicorn workers of each Gym server (the inference backend runs one).
+    """
     checkpoint: dict[str, Any] = {"enabled": True, "control_auth_token": token}
     if storage_options:
         checkpoint["storage_options"] = storage_options
@@ -54,8 +58,14 @@ def default_stack_spec(
         checkpoint["allowed_roots"] = allowed_roots
     return {
         "checkpoint": checkpoint,
+        "workers": workers,
         "servers": [
-            {"name": "inference", "kind": "inference", "config": {"token_delay_seconds": token_delay_seconds}},
+            {
+                "name": "inference",
+                "kind": "inference",
+                "workers": 1,
+                "config": {"token_delay_seconds": token_delay_seconds},
+            },
             {"name": "model", "kind": "model", "config": {"inference_url": "{inference}", "tool_turns": tool_turns}},
             {"name": "resources", "kind": resources},
             {
@@ -105,6 +115,10 @@ class RestoreOutcome:
 
     replies: dict[str, ParticipantRestore]
     restore_seconds: float
+
+
+#: how often :meth:`RolloutHarness.wait_ready` asks a server with several workers whether all have linked
+WORKER_POLL_SECONDS = 0.1
 
 
 class StackNotReady(RuntimeError):
@@ -217,7 +231,16 @@ class RolloutHarness:
             if found.ok:
                 async with self._client().get(f"{self.urls['inference']}/calls") as response:
                     await response.read()
+                await every_worker_registered([info.url for info in found.participants])
             return found
+
+        async def every_worker_registered(urls: list[str]) -> None:
+            """A server with several workers is ready once each of them linked to its coordinator."""
+            while True:
+                statuses = await asyncio.gather(*(gym.status(url) for url in urls))
+                if all(status.get("workers", 1) >= status.get("expected_workers", 1) for status in statuses):
+                    return
+                await asyncio.sleep(WORKER_POLL_SECONDS)
 
         probe = asyncio.create_task(up())
         deadline = time.monotonic() + timeout
@@ -319,9 +342,9 @@ class RolloutHarness:
         """SIGKILL every Gym server's process group (the inference backend survives)."""
         self.stack.kill(self.gym_servers)
 
-    def restart(self) -> None:
-        """Start fresh processes of every Gym server on the same ports."""
-        self.stack.start(self.gym_servers)
+    def restart(self, *, workers: dict[str, int] | int | None = None) -> None:
+        """Start fresh processes of every Gym server on the same ports (``workers``: new worker counts)."""
+        self.stack.start(self.gym_servers, workers=workers)
 
     async def restore(
         self,

@@ -13,7 +13,17 @@ if TYPE_CHECKING:
 
     from gymckpt.servers.base import ServerConfig
 
-__all__ = ["KINDS", "NOT_GYM", "app_from_env", "build_server", "config_fields"]
+__all__ = [
+    "CONFIG_ENV",
+    "KINDS",
+    "KIND_ENV",
+    "NOT_GYM",
+    "PARTICIPANT_KINDS",
+    "app_from_env",
+    "build_server",
+    "config_fields",
+    "load_config",
+]
 
 #: server kind → (module, config class, app builder); imported when used
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -26,18 +36,34 @@ KINDS: dict[str, tuple[str, str, str]] = {
 }
 #: kinds that are not Gym servers: they get no checkpoint block
 NOT_GYM = frozenset({"inference"})
+#: server kind → the kind of checkpoint participant it runs
+PARTICIPANT_KINDS: dict[str, str] = {
+    "model": "model",
+    "agent": "agent",
+    "counter": "resources",
+    "weather": "resources",
+    "environment": "environment",
+}
+#: what ``app_from_env`` reads: the server kind and its config file
+KIND_ENV = "GYMCKPT_SERVER_KIND"
+CONFIG_ENV = "GYMCKPT_SERVER_CONFIG"
 
 
-def build_server(kind: str, config: str | Path | dict[str, Any] | None) -> tuple[FastAPI, ServerConfig]:
-    """The app of one server ``kind`` from its config file or dict."""
+def load_config(kind: str, config: str | Path | dict[str, Any] | None) -> ServerConfig:
+    """The config of one server ``kind`` from its file or dict (validated, nothing built)."""
     from gymckpt.servers.base import load_server_config
 
     if kind not in KINDS:
         raise ValueError(f"unknown server kind {kind!r}; one of {', '.join(KINDS)}")
-    module_name, config_name, builder_name = KINDS[kind]
-    module = importlib.import_module(module_name)
-    loaded = load_server_config(getattr(module, config_name), config)
-    return getattr(module, builder_name)(loaded), loaded
+    module_name, config_name, _ = KINDS[kind]
+    return load_server_config(getattr(importlib.import_module(module_name), config_name), config)
+
+
+def build_server(kind: str, config: str | Path | dict[str, Any] | None) -> tuple[FastAPI, ServerConfig]:
+    """The app of one server ``kind`` from its config file or dict."""
+    loaded = load_config(kind, config)
+    module_name, _, builder_name = KINDS[kind]
+    return getattr(importlib.import_module(module_name), builder_name)(loaded), loaded
 
 
 def app_from_env() -> FastAPI:
@@ -47,8 +73,8 @@ def app_from_env() -> FastAPI:
     from ``GYMCKPT_SERVER_CONFIG`` (optional), and the ``checkpoint:`` block may come from
     ``GYMCKPT_CHECKPOINT__…`` variables (``GYMCKPT_CHECKPOINT__ENABLED=true``, …).
     """
-    kind = os.environ.get("GYMCKPT_SERVER_KIND", "counter")
-    app, _ = build_server(kind, os.environ.get("GYMCKPT_SERVER_CONFIG") or None)
+    kind = os.environ.get(KIND_ENV, "counter")
+    app, _ = build_server(kind, os.environ.get(CONFIG_ENV) or None)
     return app
 
 

@@ -12,11 +12,13 @@ A stack file::
     servers:
       - {name: inference, kind: inference}
       - {name: model, kind: model, config: {inference_url: "{inference}"}}
-      - {name: counter, kind: counter}
+      - {name: counter, kind: counter, workers: 2}
       - {name: agent, kind: agent, config: {model_url: "{model}"}}
       - {name: env, kind: environment, config: {agent_url: "{agent}", resources_url: "{counter}"}}
 
-``"{name}"`` in a config value is replaced by that server's base URL.
+``"{name}"`` in a config value is replaced by that server's base URL; ``workers: N`` runs a
+server as N uvicorn workers (``gymckpt serve KIND --workers N``), and :meth:`Stack.start`
+can start it again with another count.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class ServerProcess:
     sock: socket.socket
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    #: uvicorn worker processes (``--workers``)
+    workers: int = 1
 
     @property
     def url(self) -> str:
@@ -63,7 +67,10 @@ class ServerProcess:
         log = self.log_path.open("ab")
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "gymckpt", "serve", self.kind, "--fd", str(fd), "--config", str(config_file)],
+                [
+                    *(sys.executable, "-m", "gymckpt", "serve", self.kind),
+                    *("--fd", str(fd), "--config", str(config_file), "--workers", str(self.workers)),
+                ],
                 pass_fds=(fd,),
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -108,10 +115,12 @@ class Stack:
     def urls(self) -> dict[str, str]:
         return {name: server.url for name, server in self.servers.items()}
 
-    def start(self, names: list[str] | None = None) -> None:
-        """Start (or restart) the named servers, all by default."""
+    def start(self, names: list[str] | None = None, *, workers: dict[str, int] | int | None = None) -> None:
+        """Start (or restart) the named servers, all by default; ``workers`` changes their worker counts first."""
         for name in names or list(self.servers):
             server = self.servers[name]
+            if workers is not None:
+                server.workers = workers if isinstance(workers, int) else workers.get(name, server.workers)
             if not server.alive:
                 server.start(self.workdir)
 
@@ -153,6 +162,7 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
         raise ValueError("a stack file is a mapping with a 'servers' list")
     host = str(data.get("host", "127.0.0.1"))
     checkpoint = data.get("checkpoint")
+    default_workers = data.get("workers", 1)  # a stack-wide default for entries without their own
     stack = Stack() if workdir is None else Stack(workdir=workdir)
     entries = []
     for entry in data["servers"]:
@@ -164,7 +174,10 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
         sock = socket.create_server((host, int(entry.get("port", 0))), backlog=1024)
         sock.set_inheritable(True)
         log_path = stack.workdir / f"{name}.log"
-        stack.servers[name] = ServerProcess(name, kind, {}, sock, log_path)
+        workers = entry.get("workers", default_workers)
+        if type(workers) is not int or workers < 1:
+            raise ValueError(f"stack entry {name!r}: workers must be a positive integer, not {workers!r}")
+        stack.servers[name] = ServerProcess(name, kind, {}, sock, log_path, workers=workers)
         entries.append((name, kind, dict(entry.get("config") or {})))
     urls = stack.urls
     for name, kind, config in entries:

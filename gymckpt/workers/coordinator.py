@@ -11,7 +11,10 @@ Readiness is the merge of the workers' numbered reports of the current *generati
 per close): ready when every worker reported ready and none is missing. It fails closed:
 
 - ``<kind>-workers-unreported:<n>``: fewer current reports than ``expected_workers`` (or
-  than connected workers, if more are connected: an extra worker must report too);
+  than connected workers, if more are connected: an extra worker must report too); while
+  admission is open (no numbered reports are taken; a status reply asks every worker for
+  its readiness first, :meth:`~CoordinatedParticipant.refresh_status`), fewer connected
+  workers than expected;
 - ``<kind>-worker-lost``: a worker left while admission was closed (what it held is
   unknown), until the next :meth:`~CoordinatedParticipant.open_admission`.
 
@@ -26,9 +29,19 @@ restore's marks), and a worker that registers gets the snapshot, so every worker
 fence refuses a retired attempt until forget. A forget asks every worker first
 (``check_forget``): one refusal leaves every mark, the coordinator's included, in place.
 
-Restore (until placement, step 7): every worker gets ``install``; the records go to the
-worker with the lowest index, except a record whose ``owner`` names a connected worker's
-routing id, which goes to that worker.
+Restore: the records are split by ``holds`` (the kind's whole-episode records, see
+:data:`~gymckpt.workers.placement.WHOLE_EPISODE`). Whole-episode records stay here: a worker takes one with ``claim``
+(answered at once, before any later message to that worker; exactly one claim of a key
+gets it; refused with ``checkpoint_parked`` while admission is closed), a commit exports
+the unclaimed ones in its scope again, and a ``delete_restored`` or ``retire`` drops them.
+Session records are placed (:func:`~gymckpt.workers.placement.place_records`): one old
+owner's sessions on one live worker, owners spread evenly; every worker gets the routing
+tables (``aliases``: old owner → worker, ``placements``: restored session key → worker) with
+its install, and a worker that registers later gets them in its join state.
+
+Commit adds to the manifest, besides the gathered ``session_owners`` and ``placed_sessions``,
+``owner_aliases`` (old owner → the owner whose sessions it follows), so a chain of restores
+keeps every cookie ever stamped routable.
 """
 
 from __future__ import annotations
@@ -47,21 +60,24 @@ from pydantic import ValidationError
 from gymckpt.control.models import PrepareReport
 from gymckpt.control.participant import Participant
 from gymckpt.errors import (
+    CheckpointParked,
     ControlError,
     CoordinatorUnavailable,
     GymckptError,
     InvalidCheckpointState,
     InvalidRequest,
 )
-from gymckpt.store.codec import EncodedRecord
+from gymckpt.identity import AttemptsUpTo
+from gymckpt.store.codec import EncodedRecord, encoded
 from gymckpt.workers import messages
 from gymckpt.workers.channel import Channel
 from gymckpt.workers.gather import ExportedRecord, WorkerExport, gather_exports
 from gymckpt.workers.messages import CONTROL_OPERATIONS, Message, deadline_timeout
+from gymckpt.workers.placement import is_routing_id, is_whole_episode, place_records
 from gymckpt.workers.runtime import process_runtime_dir, restrict_socket, socket_path
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Mapping
 
     from gymckpt.control.plane import ControlPlane
     from gymckpt.store.manifest import Manifest
@@ -89,7 +105,14 @@ class ConnectedWorker:
 class CoordinatedParticipant(Participant):
     """The participant of a server whose work is spread over ``expected_workers`` worker processes."""
 
-    def __init__(self, kind: str, instance: str, *, expected_workers: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        instance: str,
+        *,
+        expected_workers: int,
+        holds: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
         if expected_workers < 1:
             raise ValueError(f"expected_workers must be at least 1, not {expected_workers}")
         self.kind = kind
@@ -106,6 +129,17 @@ class CoordinatedParticipant(Participant):
         self._deadline_ts: float | None = None
         self._listeners: list[Callable[[], None]] = []
         self._gathered: Gathered | None = None
+        self._joined = asyncio.Event()
+        #: each worker's readiness as it answered the last status while admission was open
+        self._open_reports: dict[int, PrepareReport] = {}
+        self._holds = holds if holds is not None else (lambda record: is_whole_episode(kind, record))
+        #: restored whole-episode records no worker has claimed yet, by key (decoded, and encoded once)
+        self.held: dict[str, tuple[dict[str, Any], EncodedRecord]] = {}
+        #: the routing tables of the last restore: old owner → routing id, restored session key → routing id
+        self.aliases: dict[str, str] = {}
+        self.placements: dict[str, str] = {}
+        #: old owner → the owner whose sessions it follows (kept across commits and restores)
+        self.owner_aliases: dict[str, str] = {}
 
     # --- workers (called by WorkerServer)
 
@@ -124,13 +158,35 @@ class CoordinatedParticipant(Participant):
             routing_id=routing_id if isinstance(routing_id, str) else None,
         )
         logger.info("%s worker %d (pid %s) registered", self.kind, index, pid)
+        self._joined.set()
         self._notify()
         return {
             "accepting": self.accepting,
             "generation": self.generation,
             "request": self._request,
             "marks": self.fence.snapshot(),
+            "routes": self._routes(),
+            "holding": bool(self.held),
         }
+
+    def claim(self, index: int, body: object) -> dict[str, Any]:
+        """A worker's claim of a restored whole-episode record: ``{"record": …}``, or null once taken.
+
+        Answered on the channel's reading loop, so a claim that succeeds reaches its worker
+        before any later message (a close): the claimed episode is then live on that worker.
+        """
+        key = body.get("episode_id") if isinstance(body, dict) else None
+        if not isinstance(key, str):
+            raise InvalidRequest(f"a claim needs an episode_id string, not {key!r}")
+        if not self.accepting:
+            raise CheckpointParked(f"a checkpoint is open: episode {key!r} cannot continue now; retry it after resume")
+        entry = self.held.pop(key, None)
+        if entry is not None:
+            logger.debug("%s worker %d claimed restored episode %s", self.kind, index, key)
+        return {"record": None if entry is None else entry[0]}
+
+    def _routes(self) -> dict[str, dict[str, str]]:
+        return {"aliases": dict(self.aliases), "placements": dict(self.placements)}
 
     def receive_report(self, index: int, body: object) -> dict[str, bool]:
         """A pushed report: kept only for the current generation, while closed, with a higher number."""
@@ -214,11 +270,38 @@ class CoordinatedParticipant(Participant):
     # --- readiness
 
     def _current_reports(self) -> list[PrepareReport]:
+        if self.accepting:
+            return [report for index, report in self._open_reports.items() if index in self.workers]
         return [worker.report for worker in self.workers.values() if worker.report is not None]
+
+    async def refresh_status(self) -> None:
+        """Before a status reply while admission is open: ask every worker for its readiness now.
+
+        While closed the numbered reports are current already. A worker that does not answer
+        is left out of the counts (and a missing one is a blocker anyway).
+        """
+        if not self.accepting:
+            return
+        try:
+            replies = await self._broadcast(Message.STATUS, {}, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+        except GymckptError:
+            logger.warning("a %s worker did not answer a status request", self.kind, exc_info=True)
+            return
+        reports: dict[int, PrepareReport] = {}
+        for index, reply in replies.items():
+            try:
+                reports[index] = PrepareReport.model_validate(reply.get("report") if isinstance(reply, dict) else None)
+            except ValidationError:
+                logger.warning("%s sent a malformed status report", self._who(index))
+        if self.accepting:
+            self._open_reports = reports
 
     def _own_blockers(self, reports: list[PrepareReport]) -> list[str]:
         blockers = []
-        missing = max(self.expected_workers, len(self.workers)) - len(reports)
+        if self.accepting:  # no reports are taken while open: only a worker not connected is missing
+            missing = self.expected_workers - len(self.workers)
+        else:
+            missing = max(self.expected_workers, len(self.workers)) - len(reports)
         if missing > 0:
             blockers.append(f"{self.kind}-workers-unreported:{missing}")
         if self.lost_worker:
@@ -256,6 +339,7 @@ class CoordinatedParticipant(Participant):
 
     async def close_admission(self, checkpoint_id: str) -> None:
         self.accepting = False
+        self._open_reports = {}
         self.generation += 1
         generation = self.generation
         self._request = {"checkpoint_id": checkpoint_id, "deadline_ts": self._deadline_ts}
@@ -288,7 +372,8 @@ class CoordinatedParticipant(Participant):
         """Every worker's records, gathered (one copy per episode); a worker that fails fails the export."""
         replies = await self._broadcast(Message.EXPORT, {"episode_ids": scope}, timeout=None, lost_fails=True)
         exports = {index: _worker_export(reply, self._who(index)) for index, reply in replies.items()}
-        self._gathered = gather_exports(exports, scope=scope)
+        held = [entry[1] for entry in self.held.values()]
+        self._gathered = gather_exports(exports, held=held, scope=scope, placements=self.placements)
         return list(self._gathered.records)
 
     async def park_exported(self, records: list[Any]) -> None:
@@ -296,9 +381,18 @@ class CoordinatedParticipant(Participant):
         await self._broadcast(Message.PARK, {"episode_ids": ids}, timeout=self._bounded_timeout())
 
     def manifest_extra(self) -> dict[str, Any]:
-        return self._gathered.manifest_extra() if self._gathered is not None else {}
+        """``session_owners`` (every owner a cookie may name: the records' and the aliased ones),
+        ``placed_sessions`` and ``owner_aliases``."""
+        if self._gathered is None:
+            return {}
+        extra: dict[str, Any] = self._gathered.manifest_extra()
+        extra["session_owners"] = sorted({*extra["session_owners"], *self.owner_aliases})
+        extra["owner_aliases"] = dict(sorted(self.owner_aliases.items()))
+        return extra
 
     async def delete_restored(self, episode_ids: list[str]) -> None:
+        for key in episode_ids:
+            self.held.pop(key, None)
         await self._broadcast(
             Message.DELETE_RESTORED, {"episode_ids": list(episode_ids)}, timeout=self._bounded_timeout()
         )
@@ -308,6 +402,9 @@ class CoordinatedParticipant(Participant):
     async def retire(self, episode_ids: list[str]) -> None:
         """Every worker marks the attempts first (its own fence refuses them), then stops and frees them."""
         body = {"episode_ids": list(episode_ids)}
+        covered = AttemptsUpTo(episode_ids)
+        for key in [key for key in self.held if covered.covers(key)]:
+            del self.held[key]
         await self._broadcast(Message.MARK, body, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
         await self._broadcast(Message.RETIRE, body, timeout=self._bounded_timeout())
 
@@ -329,31 +426,98 @@ class CoordinatedParticipant(Participant):
         found: set[str] = set()
         for index, reply in replies.items():
             found.update(_string_list(reply, "episode_ids", self._who(index)))
+        found.update(self.held)
         return sorted(found)
 
     async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
-        """Every worker installs its share (an empty one too) with the fence's marks and the manifest."""
-        if not self.workers:
-            raise CoordinatorUnavailable(f"no {self.kind} worker is connected to install the restored records")
-        shares = self._split_records(records)
-        base = {"scope": list(scope), "manifest": _manifest_body(manifest), "marks": self.fence.snapshot()}
-        bodies = {index: {**base, "records": share} for index, share in shares.items()}
+        """Hold the whole-episode records, place the sessions, and send every worker its share and the tables."""
+        await self._until_every_worker_joined()
+        extra = manifest.extra if manifest is not None else {}
+        sessions = [record for record in records if not self._holds(record)]
+        placement = place_records(
+            [_with_session_id(record) for record in sessions],
+            {index: worker.routing_id for index, worker in self.workers.items()},
+            session_owners=extra.get("session_owners") or (),
+            placed_sessions=extra.get("placed_sessions") or (),
+        )
+        routing = {index: worker.routing_id for index, worker in self.workers.items()}
+        aliases = dict(placement.aliases)
+        owner_aliases = _owner_aliases(extra.get("owner_aliases"))
+        for old, current in owner_aliases.items():
+            if current in aliases:
+                aliases[old] = aliases[current]
+        placements = dict(placement.placements)
+        for index, share in placement.records.items():
+            routing_id = routing.get(index)
+            if routing_id:
+                placements.update((record["episode_id"], routing_id) for record in share)
+        self.held = {record["episode_id"]: (record, encoded(record)) for record in records if self._holds(record)}
+        self.aliases, self.placements = aliases, placements
+        self.owner_aliases = {old: new for old, new in aliases.items() if old != new}
+        base = {
+            "scope": list(scope),
+            "manifest": _manifest_body(manifest),
+            "marks": self.fence.snapshot(),
+            "routes": self._routes(),
+            "holding": bool(self.held),
+        }
+        bodies = {
+            index: {**base, "records": [_without_session_id(r) for r in share]}
+            for index, share in placement.records.items()
+        }
         await self._call_each(bodies, Message.INSTALL, timeout=None, lost_fails=True)
 
-    def _split_records(self, records: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-        """Records by worker: to the worker an ``owner`` routing id names, else to the lowest index."""
-        shares: dict[int, list[dict[str, Any]]] = {index: [] for index in sorted(self.workers)}
-        owners = {worker.routing_id: index for index, worker in self.workers.items() if worker.routing_id}
-        first = min(shares)
-        for record in records:
-            owner = record.get("owner")
-            shares[owners.get(owner, first) if isinstance(owner, str) else first].append(record)
-        return shares
+    async def _until_every_worker_joined(self) -> None:
+        """Wait (within the control call's deadline) until ``expected_workers`` are connected; else refuse.
+
+        A restore places sessions on the workers there are: with one missing, they would all
+        crowd onto the others, and a worker still starting would hold nothing.
+        """
+        timeout = max(0.0, deadline_timeout(self._deadline_ts) - messages.REPLY_GRACE_SECONDS)
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self.workers) < self.expected_workers:
+                    self._joined.clear()
+                    await self._joined.wait()
+        except TimeoutError:
+            raise CoordinatorUnavailable(
+                f"only {len(self.workers)} of {self.expected_workers} {self.kind} workers are connected: "
+                "the restore cannot place their records; retry once every worker has started"
+            ) from None
 
     # --- status
 
     def status_extra(self) -> dict[str, Any]:
-        return {"workers": len(self.workers), "expected_workers": self.expected_workers}
+        """``workers``, ``expected_workers``, ``worker_pids``, ``restored_pending`` (held, unclaimed),
+        ``session_aliases`` and ``session_placements``."""
+        return {
+            "workers": len(self.workers),
+            "expected_workers": self.expected_workers,
+            "worker_pids": sorted(worker.pid for worker in self.workers.values() if worker.pid is not None),
+            "restored_pending": sorted(self.held),
+            "session_aliases": dict(self.aliases),
+            "session_placements": len(self.placements),
+        }
+
+
+def _with_session_id(record: dict[str, Any]) -> dict[str, Any]:
+    """A session record as placement groups it: gymckpt's sessions are keyed by their capture key."""
+    if record.get("owner") is None and "session_id" not in record:
+        return {**record, "session_id": record["episode_id"]}
+    return record
+
+
+def _without_session_id(record: dict[str, Any]) -> dict[str, Any]:
+    if record.get("session_id") == record.get("episode_id"):
+        return {name: value for name, value in record.items() if name != "session_id"}
+    return record
+
+
+def _owner_aliases(value: object) -> dict[str, str]:
+    """The manifest's ``owner_aliases``: routing id pairs only (anything else is ignored, never routed)."""
+    if not isinstance(value, dict):
+        return {}
+    return {old: new for old, new in value.items() if is_routing_id(old) and is_routing_id(new)}
 
 
 def _keep(worker: ConnectedWorker, seq: int, report: PrepareReport) -> bool:
@@ -399,9 +563,16 @@ def _worker_export(reply: object, who: str) -> WorkerExport:
         raise InvalidCheckpointState(f"{who} replied to export without a records list")
     records = []
     for item in lines:
-        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(part, str) for part in item)):
-            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, line] pair")
-        records.append(ExportedRecord(EncodedRecord(item[0], item[1].encode("utf-8"))))
+        if not (
+            isinstance(item, list)
+            and len(item) in (2, 3)
+            and isinstance(item[0], str)
+            and isinstance(item[1], str)
+            and (len(item) == 2 or item[2] is None or is_routing_id(item[2]))
+        ):
+            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, line, owner] triple")
+        owner = item[2] if len(item) == 3 else None
+        records.append(ExportedRecord(EncodedRecord(item[0], item[1].encode("utf-8")), owner=owner))
     return WorkerExport(records)
 
 
@@ -421,6 +592,8 @@ async def dispatch_control(plane: ControlPlane, operation: object, payload: obje
     if spec is None:
         raise InvalidRequest(f"no control operation {operation!r}")
     if spec.request is None:
+        if isinstance(plane.participant, CoordinatedParticipant):
+            await plane.participant.refresh_status()
         return plane.status().model_dump(mode="json")
     try:
         request = spec.request.model_validate(payload)
@@ -479,6 +652,7 @@ class WorkerServer:
         channel = Channel(reader, writer, name=f"{participant.kind} worker {index}")
         channel.handle_immediately(Message.REGISTER, lambda body: participant.register(index, channel, body))
         channel.handle_immediately(Message.REPORT, lambda body: participant.receive_report(index, body))
+        channel.handle_immediately(Message.CLAIM, lambda body: participant.claim(index, body))
         channel.handle(Message.CONTROL, self._control)
         task = asyncio.current_task()
         if task is not None:

@@ -20,6 +20,12 @@ worker's share of the work) and connects it to the coordinator in the main proce
   SIGTERM to this process, since a worker left behind would hold the port and could never
   take part in a checkpoint again.
 
+Restored whole-episode state waits in the coordinator: the link is the participant's
+:attr:`~gymckpt.control.participant.Participant.claim_source` (:meth:`WorkerLink.claim`), asked
+only while the coordinator said it holds some. Session records leave with this worker's
+``routing_id`` as their owner; the routing tables (join state, ``install``, ``routes``) go to
+``on_routes(aliases, placements)``.
+
 A participant may define ``check_forget(rollout_ids)`` (plain or async) to refuse a forget
 it cannot do yet (e.g. sessions not freed): it raises, typically
 :class:`~gymckpt.errors.RetireIncomplete`. The link itself refuses while one of its own
@@ -46,6 +52,7 @@ from gymckpt.store.manifest import Manifest
 from gymckpt.workers import messages
 from gymckpt.workers.channel import Channel
 from gymckpt.workers.messages import Message
+from gymckpt.workers.placement import is_whole_episode
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -71,9 +78,16 @@ def local_report(participant: Participant) -> PrepareReport:
     return readiness_report(participant)
 
 
-def _encode_lines(records: Iterable[dict[str, Any]]) -> list[list[str]]:
-    """Each record encoded once: ``[episode_id, line]`` (the line is UTF-8 JSON, so it travels as text)."""
-    return [[episode_id, line.decode("utf-8")] for episode_id, line in map(encoded, records)]
+def _encode_lines(records: Iterable[dict[str, Any]], kind: str, owner: str | None) -> list[list[str | None]]:
+    """Each record encoded once: ``[episode_id, line, owner]`` (the line is UTF-8 JSON, so it travels
+    as text; ``owner`` is set on session records, which carry it in the line too)."""
+    lines: list[list[str | None]] = []
+    for record in records:
+        session_owner = None if is_whole_episode(kind, record) else owner
+        stamped = record if session_owner is None else {**record, "owner": session_owner}
+        episode_id, line = encoded(stamped)
+        lines.append([episode_id, line.decode("utf-8"), session_owner])
+    return lines
 
 
 def _field(body: object, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -101,6 +115,7 @@ class WorkerLink:
         on_coordinator_lost: Callable[[], None] | None = None,
         routing_id: str | None = None,
         connect_timeout: float = messages.MESSAGE_TIMEOUT_SECONDS,
+        on_routes: Callable[[dict[str, str], dict[str, str]], None] | None = None,
     ) -> None:
         self.participant = participant
         self.socket_path = Path(socket_path)
@@ -124,7 +139,11 @@ class WorkerLink:
         self._retire_ids = itertools.count()
         self._exported: list[dict[str, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_routes = on_routes
+        #: whether the coordinator holds restored whole-episode records (then a new episode claims first)
+        self.holding = False
         participant.add_readiness_listener(self._readiness_changed)
+        participant.claim_source = self.claim
 
     @property
     def channel(self) -> Channel | None:
@@ -171,6 +190,7 @@ class WorkerLink:
     async def _adopt(self, state: object) -> None:
         marks = _field(state, "marks", dict)
         self.participant.fence.update(marks)
+        self._take_routes(state)
         if _field(state, "accepting", bool):
             if not self.accepting:  # closed for a coordinator that is gone: this one is open
                 await self._open_locally()
@@ -219,9 +239,47 @@ class WorkerLink:
             Message.LIVE_WORK: self._on_live_work,
             Message.PARK: self._on_park,
             Message.DELETE_RESTORED: self._on_delete_restored,
+            Message.ROUTES: self._on_routes,
+            Message.STATUS: self._on_status,
         }
         for kind, handler in handlers.items():
             channel.handle(kind, handler)
+
+    # --- claims and routes
+
+    async def claim(self, key: str) -> dict[str, Any] | None:
+        """The restored whole-episode record of ``key`` if the coordinator holds it (taken, once), else None.
+
+        Raises :class:`~gymckpt.errors.CheckpointParked` while a checkpoint is open (the caller
+        retries the episode) and :class:`CoordinatorUnavailable` without the coordinator.
+        """
+        if not self.holding:
+            return None
+        channel = self.channel
+        if channel is None:
+            raise CoordinatorUnavailable(f"this {self.participant.kind} worker lost its checkpoint coordinator")
+        reply = await channel.request(Message.CLAIM, {"episode_id": key}, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+        record = _field(reply, "record", (dict, type(None)))
+        if record is not None and record.get("episode_id") != key:
+            raise InvalidRequest(f"the coordinator answered the claim of {key!r} with another episode's record")
+        return record
+
+    def _take_routes(self, body: object) -> None:
+        if isinstance(body, dict) and isinstance(body.get("holding"), bool):
+            self.holding = body["holding"]
+        routes = body.get("routes") if isinstance(body, dict) else None
+        if routes is None:
+            return
+        aliases, placements = _field(routes, "aliases", dict), _field(routes, "placements", dict)
+        if self.on_routes is not None:
+            self.on_routes(aliases, placements)
+
+    async def _on_status(self, body: object) -> dict[str, Any]:
+        return {"report": local_report(self.participant).model_dump(mode="json")}
+
+    async def _on_routes(self, body: object) -> dict[str, Any]:
+        self._take_routes({"routes": body})
+        return {}
 
     # --- admission
 
@@ -354,7 +412,8 @@ class WorkerLink:
             scope = _keys(body, "episode_ids")
         records = list(await participant.export(scope))
         self._exported = records
-        return {"records": await asyncio.to_thread(_encode_lines, records)}
+        lines = await asyncio.to_thread(_encode_lines, records, participant.kind, self.routing_id)
+        return {"records": lines}
 
     async def _on_park(self, body: object) -> dict[str, Any]:
         wanted = set(_keys(body, "episode_ids"))
@@ -375,6 +434,7 @@ class WorkerLink:
         records = _field(body, "records", list)
         scope = _keys(body, "scope")
         participant.fence.update(_field(body, "marks", dict))
+        self._take_routes(body)
         manifest = _field(body, "manifest", (dict, type(None)))
         parsed = None
         if manifest is not None:

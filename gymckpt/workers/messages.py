@@ -8,8 +8,12 @@ as JSON.
 Worker → coordinator:
 
 - ``register {pid, routing_id | null}`` → the join state ``{accepting, generation, request,
-  marks}``: ``request`` is ``{checkpoint_id, deadline_ts}`` while a checkpoint is open (else
-  null), ``marks`` the fence's snapshot (rollout id → highest retired attempt).
+  marks, routes, holding}``: ``request`` is ``{checkpoint_id, deadline_ts}`` while a checkpoint
+  is open (else null), ``marks`` the fence's snapshot (rollout id → highest retired attempt),
+  ``routes`` the routing tables ``{aliases, placements}``, ``holding`` whether the
+  coordinator holds restored whole-episode records (else a worker need not claim).
+- ``claim {episode_id}`` → ``{record | null}``: the restored whole-episode record of that key,
+  to exactly one claimer; refused with ``checkpoint_parked`` while a checkpoint is open.
 - ``report {generation, seq, report}`` → ``{kept}``: kept only for the current generation,
   while closed, and with a ``seq`` above the worker's last one.
 - ``control {operation, body}`` (a control route's request, :data:`CONTROL_OPERATIONS`) →
@@ -24,11 +28,16 @@ Coordinator → worker (each replies ``{}`` unless noted):
 - ``retire {episode_ids}``: stop and free them (sent after ``mark``).
 - ``check_forget {rollout_ids}``: ``{}``, or a refusal such as ``retire_incomplete``.
 - ``forget {rollout_ids}``.
-- ``export {episode_ids | null}`` → ``{records: [[episode_id, line], …]}``: each record
-  encoded once (:func:`gymckpt.store.codec.encoded`), its line as text; refused with
+- ``export {episode_ids | null}`` → ``{records: [[episode_id, line, owner], …]}``: each record
+  encoded once (:func:`gymckpt.store.codec.encoded`), its line as text, ``owner`` the
+  worker's routing id for a session record (null otherwise); refused with
   ``invalid_phase`` by a worker no longer ready.
-- ``install {records, scope, manifest, marks}``: ``manifest`` is ``{path, raw}`` (the
-  stored bytes as text) or null, ``marks`` the fence's snapshot (the restore's marks).
+- ``install {records, scope, manifest, marks, routes, holding}``: ``manifest`` is ``{path, raw}``
+  (the stored bytes as text) or null, ``marks`` the fence's snapshot (the restore's marks),
+  ``routes`` and ``holding`` as in the join state.
+- ``routes {aliases, placements}``: replace the worker's routing tables.
+- ``status {}`` → ``{report}``: the worker's readiness now (asked for a status reply while
+  admission is open, when no numbered reports are taken).
 - ``live_work {}`` → ``{episode_ids}``.
 - ``park {episode_ids}``: the exported episodes among these (commit ``stop``).
 - ``delete_restored {episode_ids}``.
@@ -92,12 +101,15 @@ class Message:
     REGISTER: Final = "register"
     REPORT: Final = "report"
     CONTROL: Final = "control"
+    CLAIM: Final = "claim"
     # coordinator → worker
     CLOSE: Final = "close"
     OPEN: Final = "open"
     MARK: Final = "mark"
     RETIRE: Final = "retire"
     CHECK_FORGET: Final = "check_forget"
+    ROUTES: Final = "routes"
+    STATUS: Final = "status"
     FORGET: Final = "forget"
     EXPORT: Final = "export"
     INSTALL: Final = "install"
@@ -106,7 +118,7 @@ class Message:
     DELETE_RESTORED: Final = "delete_restored"
 
 
-FROM_WORKER = frozenset({Message.REGISTER, Message.REPORT, Message.CONTROL})
+FROM_WORKER = frozenset({Message.REGISTER, Message.REPORT, Message.CONTROL, Message.CLAIM})
 TO_WORKER = frozenset(
     {
         Message.CLOSE,
@@ -114,6 +126,8 @@ TO_WORKER = frozenset(
         Message.MARK,
         Message.RETIRE,
         Message.CHECK_FORGET,
+        Message.ROUTES,
+        Message.STATUS,
         Message.FORGET,
         Message.EXPORT,
         Message.INSTALL,

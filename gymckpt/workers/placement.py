@@ -32,7 +32,7 @@ from gymckpt.errors import ControlError, InvalidCheckpointState, ManifestFieldIn
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["Placement", "is_routing_id", "place_records"]
+__all__ = ["WHOLE_EPISODE", "Placement", "is_routing_id", "is_whole_episode", "place_records"]
 
 _ROUTING_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -44,6 +44,33 @@ GroupKey = tuple[str, str]
 def is_routing_id(value: object) -> bool:
     """True for a worker's routing id: 32 lowercase hex digits (a uuid4's ``hex``)."""
     return isinstance(value, str) and _ROUTING_ID.fullmatch(value) is not None
+
+
+def _run_record(record: dict[str, Any]) -> bool:
+    return record.get("kind") == "run"
+
+
+def _every_record(record: dict[str, Any]) -> bool:
+    return True
+
+
+def _no_record(record: dict[str, Any]) -> bool:
+    return False
+
+
+#: kind → which of its records are whole-episode state (held by the coordinator, claimed by one
+#: worker); every other record is a session that spans requests (placed on a worker, routed to it)
+WHOLE_EPISODE: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "environment": _every_record,
+    "agent": _run_record,
+    "resources": _no_record,
+    "model": _every_record,
+}
+
+
+def is_whole_episode(kind: str, record: dict[str, Any]) -> bool:
+    """True for a record of state that lives inside one request (unknown kinds: every record)."""
+    return WHOLE_EPISODE.get(kind, _every_record)(record)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""A checkpointing server refuses to start as one of several uvicorn workers (one worker per server today).
+"""A checkpointing server started by plain uvicorn with several workers (no gymckpt coordinator) refuses to start.
 
 The real check: ``uvicorn --factory gymckpt.stack:app_from_env --workers 2`` as a
-subprocess must never answer and must end, its output naming the limit and the planned
-``gymckpt.workers`` feature; the same command with ``--workers 1`` serves ``/health``.
+subprocess must never answer and must end, its output naming the missing coordinator and
+``gymckpt serve KIND --workers N``, which starts one; the same command with ``--workers 1`` serves ``/health``.
 Every wait is bounded; between attempts the test waits on the process itself.
 """
 
@@ -31,7 +31,7 @@ from .resources_support import config
 
 #: the bound of a server's start (or of its refusal to start), in seconds
 START_BOUND = 60.0
-MESSAGE = "checkpointing supports one worker per server today"
+MESSAGE = "but no checkpoint coordinator"
 
 
 class Uvicorn:
@@ -113,7 +113,7 @@ def test_two_uvicorn_workers_refuse_to_serve_a_checkpointing_app(servers: Any) -
     assert 200 not in answers, answers
     output = server.output()
     assert MESSAGE in output, output
-    assert "gymckpt.workers" in output, output
+    assert "gymckpt serve KIND --workers 2" in output, output
     assert server.health() is None
 
 

@@ -70,6 +70,8 @@ class Worker:
     client: httpx.AsyncClient
     index: int
     lost: list[str] = field(default_factory=list)
+    #: every (aliases, placements) the coordinator sent, in order
+    routes: list[tuple[dict[str, str], dict[str, str]]] = field(default_factory=list)
 
     async def call(self, route: str, body: dict[str, Any] | None = None) -> httpx.Response:
         return await call(self.client, route, body)
@@ -84,14 +86,21 @@ class Cluster:
     workers: list[Worker] = field(default_factory=list)
 
     async def add_worker(self, fake: Participant | None = None, *, routing_id: str | None = None) -> Worker:
-        """Connect one more worker (registered when this returns)."""
-        fake = fake if fake is not None else FakeParticipant(KIND, INSTANCE)
+        """Connect one more worker (registered when this returns); its routing tables land in ``worker.routes``."""
+        fake = fake if fake is not None else FakeParticipant(self.coordinator.kind, INSTANCE)
         lost: list[str] = []
-        link = WorkerLink(fake, self.path, on_coordinator_lost=lambda: lost.append("lost"), routing_id=routing_id)
+        routes: list[tuple[dict[str, str], dict[str, str]]] = []
+        link = WorkerLink(
+            fake,
+            self.path,
+            on_coordinator_lost=lambda: lost.append("lost"),
+            routing_id=routing_id,
+            on_routes=lambda aliases, placements: routes.append((aliases, placements)),
+        )
         before = set(self.coordinator.workers)
         await bounded(link.connect())
         (index,) = set(self.coordinator.workers) - before
-        worker = Worker(fake, link, client_of(control_app(RemotePlane(link))), index, lost)
+        worker = Worker(fake, link, client_of(control_app(RemotePlane(link))), index, lost, routes)
         self.workers.append(worker)
         return worker
 
@@ -115,9 +124,10 @@ async def cluster(
     expected: int | None = None,
     fakes: list[Participant] | None = None,
     routing_ids: list[str | None] | None = None,
+    kind: str = KIND,
 ) -> AsyncIterator[Cluster]:
-    """A coordinator expecting ``expected`` workers (default: ``workers``) and ``workers`` linked workers."""
-    coordinator = CoordinatedParticipant(KIND, INSTANCE, expected_workers=expected or workers)
+    """A coordinator of ``kind`` expecting ``expected`` workers (default: ``workers``) and ``workers`` linked workers."""
+    coordinator = CoordinatedParticipant(kind, INSTANCE, expected_workers=expected or workers)
     plane = ControlPlane(coordinator)
     server = WorkerServer(plane, path=socket_path(tmp_path, "env"))
     path = await server.start()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gymckpt.control.plane import ControlPlane
-from gymckpt.errors import RetireIncomplete, StaleAttempt
+from gymckpt.errors import CheckpointParked, RetireIncomplete, StaleAttempt
 from gymckpt.store import open_store
 from gymckpt.store.codec import encoded, episode_id_of_line
 from gymckpt.testing.participant import FakeParticipant
@@ -37,6 +37,8 @@ def _normalized(response: httpx.Response) -> tuple[int, Any]:
         body.pop("lease_expires_at", None)
         body.pop("workers", None)
         body.pop("expected_workers", None)
+        for extra in ("worker_pids", "restored_pending", "session_aliases", "session_placements"):
+            body.pop(extra, None)
         report = body.get("report")
         if isinstance(report, dict):
             report.get("counts", {}).pop("workers", None)
@@ -88,10 +90,12 @@ async def test_control_calls_on_any_worker_give_the_replies_of_a_single_process_
         "counts": {"live": 2, "busy": 0},
         "restarts": [],
     }
-    assert (status["workers"], status["expected_workers"], status["report"]["counts"]) == (2, 2, {"workers": 2})
-    # while admission is open no worker reports: readiness is unknown, so not ready (a single process knows it)
-    assert status["report"]["blockers"] == ["environment-workers-unreported:2"]
-    assert status["report"]["ready"] is False
+    # while open, a status asks every worker: the counts are theirs summed (one live episode each)
+    assert (status["workers"], status["expected_workers"]) == (2, 2)
+    assert status["report"]["counts"] == {"live": 2, "busy": 0, "workers": 2}
+    # while admission is open no worker reports: only a worker that is not connected is missing
+    assert status["report"]["blockers"] == []
+    assert status["report"]["ready"] is True
 
 
 async def test_a_control_call_is_answered_by_the_coordinator_whichever_worker_takes_it(tmp_path: Path) -> None:
@@ -316,7 +320,7 @@ async def test_export_gathers_every_workers_lines_encoded_once_into_one_records_
     manifest, lines = _lines_of(tmp_path / "ck")
     assert lines == expected
     assert manifest.record_count == 2
-    assert manifest.extra == {"session_owners": [], "placed_sessions": []}
+    assert manifest.extra == {"session_owners": [], "placed_sessions": [], "owner_aliases": {}}
     back = list(open_store(str(tmp_path / "ck")).read_participant("", kind=KIND, instance=INSTANCE))
     assert sorted(record["episode_id"] for record in back) == ["w1", "w2"]
     assert next(record for record in back if record["episode_id"] == "w1")["state"]["big"] == 2**70
@@ -416,34 +420,135 @@ async def test_resume_reopens_every_worker(tmp_path: Path) -> None:
         assert [worker.fake.count("open") for worker in running.workers] == [1, 1, 1]
 
 
-def _write_checkpoint(directory: Path, records: list[dict[str, Any]]) -> None:
+def _write_checkpoint(
+    directory: Path, records: list[dict[str, Any]], *, kind: str = KIND, extra: dict[str, Any] | None = None
+) -> None:
     open_store(str(directory)).write_participant(
-        "", kind=KIND, instance=INSTANCE, checkpoint_id="c0", records=records, extra={}
+        "", kind=kind, instance=INSTANCE, checkpoint_id="c0", records=records, extra=extra or {}
     )
 
 
-async def test_restore_installs_on_every_worker_with_the_marks_and_the_manifest(tmp_path: Path) -> None:
-    owner = "b" * 32
-    _write_checkpoint(
-        tmp_path / "ck",
-        [{"episode_id": "r1", "state": {"step": 1}}, {"episode_id": "r2", "state": {"step": 2}, "owner": owner}],
-    )
-    async with cluster(tmp_path, 3, routing_ids=[None, owner, None]) as running:
-        first, owning, empty = running.workers
-        body = request("restore-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r1", "r2"])
-        reply = await empty.call("restore", body)
-        assert reply.json() == {"phase": "restored", "source_checkpoint_id": "c0", "restored": ["r1-a1", "r2-a1"]}
-        assert first.fake.installed == [{"episode_id": "r1-a1", "state": {"step": 1}}]
-        assert owning.fake.installed == [{"episode_id": "r2-a1", "state": {"step": 2}, "owner": owner}]
-        assert empty.fake.installed == []
+ROUTING = ["1" * 32, "2" * 32, "3" * 32]
+
+
+async def test_restore_places_sessions_one_old_owner_per_worker_and_sends_every_worker_the_tables(
+    tmp_path: Path,
+) -> None:
+    old_owner = "b" * 32
+    records = [
+        {"episode_id": "r1", "state": {"step": 1}},  # a one-worker server's session: no owner
+        {"episode_id": "r2", "state": {"step": 2}, "owner": old_owner},
+        {"episode_id": "r3", "state": {"step": 3}, "owner": old_owner},
+    ]
+    _write_checkpoint(tmp_path / "ck", records, kind="resources", extra={"session_owners": [old_owner, "c" * 32]})
+    async with cluster(tmp_path, 3, routing_ids=ROUTING, kind="resources") as running:
+        first, second, third = running.workers
+        body = request("restore-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r1", "r2", "r3"])
+        reply = await third.call("restore", body)
+        assert reply.json()["restored"] == ["r1-a1", "r2-a1", "r3-a1"]
+        # the old owner's two sessions together on the first worker, the owner-less one on the next, and the
+        # owner without records on the last
+        assert [record["episode_id"] for record in first.fake.installed] == ["r2-a1", "r3-a1"]
+        assert first.fake.installed[0]["owner"] == old_owner
+        assert second.fake.installed == [{"episode_id": "r1-a1", "state": {"step": 1}, "owner": ROUTING[1]}]
+        assert third.fake.installed == []
+        aliases = {old_owner: ROUTING[0], "c" * 32: ROUTING[2]}
+        placements = {"r1-a1": ROUTING[1], "r2-a1": ROUTING[0], "r3-a1": ROUTING[0]}
         for worker in running.workers:
-            assert worker.fake.count("install") == 1
-            assert worker.fake.installed_scope == ["r1-a1", "r2-a1"]
+            assert worker.routes[-1] == (aliases, placements)
+            assert worker.fake.installed_scope == ["r1-a1", "r2-a1", "r3-a1"]
             assert worker.fake.installed_manifest.checkpoint_id == "c0"
-            assert worker.fake.fence.snapshot() == {"r1": 0, "r2": 0}  # the restored attempts are over
-            assert worker.fake.admission_open is False
+            assert worker.fake.fence.snapshot() == {"r1": 0, "r2": 0, "r3": 0}
+        late = await running.add_worker(routing_id="4" * 32)
+        assert late.routes == [(aliases, placements)]  # a worker that joins later gets both tables
+        status = (await first.call("status")).json()
+        assert status["session_aliases"] == aliases
+        assert status["session_placements"] == 3
         assert (await first.call("resume", request("restore-1"))).status_code == 200
-        assert [worker.fake.admission_open for worker in running.workers] == [True] * 3
+        assert [worker.fake.admission_open for worker in running.workers] == [True] * 4
+
+
+async def test_a_restore_follows_the_owner_aliases_of_the_manifest(tmp_path: Path) -> None:
+    """A cookie stamped two crashes ago names an owner whose sessions moved: it follows them again."""
+    ancient, current = "a" * 32, "b" * 32
+    records = [{"episode_id": "r1", "state": {}, "owner": current}]
+    extra = {"session_owners": [ancient, current], "owner_aliases": {ancient: current, "bad": current}}
+    _write_checkpoint(tmp_path / "ck", records, kind="resources", extra=extra)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING[:2], kind="resources") as running:
+        body = request("restore-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r1"])
+        assert (await running.workers[0].call("restore", body)).status_code == 200
+        aliases = running.coordinator.aliases
+        assert aliases[ancient] == aliases[current]
+        holder = next(worker for worker in running.workers if worker.fake.installed)
+        assert aliases[current] == holder.link.routing_id
+        assert "bad" not in aliases
+        # the next commit's manifest: both old owners now follow the worker that holds their sessions
+        assert running.coordinator.owner_aliases == {ancient: holder.link.routing_id, current: holder.link.routing_id}
+
+
+async def _restored_environment(running: Cluster, tmp_path: Path, keys: list[str]) -> None:
+    _write_checkpoint(tmp_path / "ck", [{"episode_id": key, "state": {"n": index}} for index, key in enumerate(keys)])
+    body = request("restore-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+    assert (await running.workers[0].call("restore", body)).status_code == 200
+
+
+async def test_whole_episode_records_wait_in_the_coordinator_and_exactly_one_claim_wins(tmp_path: Path) -> None:
+    async with cluster(tmp_path, 3) as running:
+        await _restored_environment(running, tmp_path, ["r1", "r2"])
+        assert [worker.fake.installed for worker in running.workers] == [[], [], []]
+        assert sorted(running.coordinator.held) == ["r1-a1", "r2-a1"]
+        assert all(worker.link.holding for worker in running.workers)
+        assert (await running.workers[0].call("status")).json()["restored_pending"] == ["r1-a1", "r2-a1"]
+        assert (await running.workers[1].call("resume", request("restore-1"))).status_code == 200
+        claims = [worker.link.claim("r1-a1") for worker in running.workers for _ in range(4)]
+        results = await bounded(asyncio.gather(*claims))
+        won = [result for result in results if result is not None]
+        assert won == [{"episode_id": "r1-a1", "state": {"n": 0}}]
+        assert sorted(running.coordinator.held) == ["r2-a1"]
+        assert await bounded(running.workers[2].fake.take_restored("r2-a1")) is True
+        assert running.workers[2].fake.installed == [{"episode_id": "r2-a1", "state": {"n": 1}}]
+        assert await bounded(running.workers[0].fake.take_restored("r2-a1")) is False
+        assert (await running.workers[0].call("status")).json()["restored_pending"] == []
+
+
+async def test_a_claim_while_a_checkpoint_is_open_is_checkpoint_parked(tmp_path: Path) -> None:
+    async with cluster(tmp_path, 2) as running:
+        await _restored_environment(running, tmp_path, ["r1"])
+        assert (await running.workers[0].call("resume", request("restore-1"))).status_code == 200
+        assert (await running.workers[0].call("prepare", request("c2"))).json()["phase"] == "prepared"
+        with pytest.raises(CheckpointParked):
+            await bounded(running.workers[1].link.claim("r1-a1"))
+        assert sorted(running.coordinator.held) == ["r1-a1"]  # nothing was taken
+        assert (await running.workers[0].call("resume", request("c2"))).status_code == 200
+        assert await bounded(running.workers[1].link.claim("r1-a1")) == {"episode_id": "r1-a1", "state": {"n": 0}}
+
+
+async def test_unclaimed_records_are_exported_again_while_in_scope_and_released_when_not(tmp_path: Path) -> None:
+    async with cluster(tmp_path, 2) as running:
+        await _restored_environment(running, tmp_path, ["r1", "r2"])
+        assert (await running.workers[0].call("resume", request("restore-1"))).status_code == 200
+        assert (await running.workers[0].call("prepare", request("c2"))).json()["phase"] == "prepared"
+        body = request("c2", checkpoint_dir=str(tmp_path / "c2"), episode_ids=["r1-a1", "r2-a1"])
+        committed = (await running.workers[1].call("commit", body)).json()
+        assert committed["episode_ids"] == ["r1-a1", "r2-a1"]
+        back = list(open_store(str(tmp_path / "c2")).read_participant("", kind=KIND, instance=INSTANCE))
+        assert back == [{"episode_id": "r1-a1", "state": {"n": 0}}, {"episode_id": "r2-a1", "state": {"n": 1}}]
+        assert (await running.workers[0].call("resume", request("c2"))).status_code == 200
+        assert (await running.workers[0].call("prepare", request("c3"))).json()["phase"] == "prepared"
+        body = request("c3", checkpoint_dir=str(tmp_path / "c3"), episode_ids=["r2-a1"])
+        assert (await running.workers[0].call("commit", body)).json()["episode_ids"] == ["r2-a1"]
+        assert sorted(running.coordinator.held) == ["r2-a1"]  # r1-a1 left the scope: released
+        assert all(("delete_restored", ["r1-a1"]) in worker.fake.calls for worker in running.workers)
+
+
+async def test_a_retire_drops_the_held_records_of_its_attempts(tmp_path: Path) -> None:
+    async with cluster(tmp_path, 2) as running:
+        await _restored_environment(running, tmp_path, ["r1", "r2"])
+        assert (await running.workers[0].call("resume", request("restore-1"))).status_code == 200
+        reply = await running.workers[1].call("retire", request("restore-1", episode_ids=["r1-a1"]))
+        assert reply.status_code == 200, reply.text
+        assert sorted(running.coordinator.held) == ["r2-a1"]
+        assert await bounded(running.workers[0].link.claim("r1-a1")) is None
 
 
 async def test_restore_refuses_when_any_worker_already_serves_work(tmp_path: Path) -> None:
