@@ -531,9 +531,12 @@ class E2EStack:
                     os.killpg(server.process.pid, signal.SIGKILL)
         self.harness.crash()
 
-    async def restore(self, cut: Cut, *, servers: Iterable[str] | None = None) -> Coordinator:
-        """Start fresh Gym processes, restore ``cut`` through the coordinator (on ``servers``, all by default), resume."""
-        self.harness.restart()
+    async def restore(
+        self, cut: Cut, *, servers: Iterable[str] | None = None, workers: int | None = None
+    ) -> Coordinator:
+        """Start fresh Gym processes (``workers`` each: another count), restore ``cut`` through the
+        coordinator (on ``servers``, all by default), resume."""
+        self.harness.restart(workers=workers)
         gym = await self.coordinator(servers)
         replies = await gym.restore(cut.checkpoint_id, time.time() + WAIT, cut.directory, cut.committed)
         for url, reply in replies.items():
@@ -584,14 +587,14 @@ class E2EStack:
 
     # --- between tests
 
-    def fresh(self) -> None:
-        """Fresh Gym processes and an empty inference log for the next test."""
-        self.runner.run(asyncio.wait_for(self._fresh(), WAIT))
+    def fresh(self, *, workers: int | None = None) -> None:
+        """Fresh Gym processes (``workers`` each, else as many as before) and an empty inference log."""
+        self.runner.run(asyncio.wait_for(self._fresh(workers), WAIT))
 
-    async def _fresh(self) -> None:
+    async def _fresh(self, workers: int | None) -> None:
         # in a thread, so this loop notices the killed servers' connections closing
         await asyncio.to_thread(self.kill)
-        self.harness.restart()
+        self.harness.restart(workers=workers)
         if self.gate is not None:
             self.gate.reset()
         await self.harness.reset_model_calls()
