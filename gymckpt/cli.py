@@ -474,7 +474,30 @@ def stack_up(stack_file: str) -> None:
     "--store-only", is_flag=True, help="Only the store: write four participants' generated records, no servers."
 )
 @click.option("--episodes", default=64, show_default=True, help="With --store-only: records per participant.")
-def demo_command(rollouts: int, store_url: str, keep: bool, seed: int, store_only: bool, episodes: int) -> None:
+@click.option(
+    "--workers",
+    default=2,
+    show_default=True,
+    type=click.IntRange(1, MAX_WORKERS),
+    help="uvicorn workers of each Gym server before the crash.",
+)
+@click.option(
+    "--restore-workers",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, MAX_WORKERS),
+    help="uvicorn workers of each Gym server after the crash (the restore lands on another worker count).",
+)
+def demo_command(
+    rollouts: int,
+    store_url: str,
+    keep: bool,
+    seed: int,
+    store_only: bool,
+    episodes: int,
+    workers: int,
+    restore_workers: int,
+) -> None:
     """Checkpoint rollouts in flight, kill every server, restore, continue, verify.
 
     \b
@@ -482,7 +505,8 @@ def demo_command(rollouts: int, store_url: str, keep: bool, seed: int, store_onl
     uninterrupted; then, on a fresh stack, starts the rollouts, checkpoints the ones in
     flight once about half have finished, SIGKILLs every server, restarts them, restores,
     continues each exported rollout, compares every result with the uninterrupted run,
-    verifies the checkpoint offline and prints a table.
+    verifies the checkpoint offline and prints a table. Each Gym server runs --workers
+    uvicorn workers before the crash and --restore-workers after it.
     Exit status: 0 success, 1 a rollout lost, a result different or a damaged
     checkpoint, 2 setup failure.
     """
@@ -497,12 +521,27 @@ def demo_command(rollouts: int, store_url: str, keep: bool, seed: int, store_onl
         sys.exit(run_store_demo(store_url, episodes=episodes, seed=seed, console=_stdout))
     if store_url == "s3":
         try:  # moto or s3fs missing: one line naming the extra to install
-            outcome = run_s3_demo(rollouts=rollouts, keep=keep, seed=seed, console=_stdout, progress_console=_stderr)
+            outcome = run_s3_demo(
+                rollouts=rollouts,
+                keep=keep,
+                seed=seed,
+                console=_stdout,
+                progress_console=_stderr,
+                workers=workers,
+                restore_workers=restore_workers,
+            )
         except GymckptError as exc:
             _fail(str(exc))
     else:
         outcome = run_demo(
-            rollouts=rollouts, store_url=store_url, keep=keep, seed=seed, console=_stdout, progress_console=_stderr
+            rollouts=rollouts,
+            store_url=store_url,
+            keep=keep,
+            seed=seed,
+            console=_stdout,
+            progress_console=_stderr,
+            workers=workers,
+            restore_workers=restore_workers,
         )
     sys.exit(outcome.exit_code)
 

@@ -3,13 +3,13 @@
 - :func:`code_blocks` reads the fenced blocks of a Markdown file, each with its language, the
   section it is in and an explicit ``<!-- not run: reason -->`` mark on the line before it.
 - :class:`Workspace` is a temporary working directory holding a copy of ``examples/``, where
-  the documented ports (8001, 8002, 8100–8104 and the S3 example's 9000) are replaced by free
+  the documented ports (8001, 8002, 8100–8105 and the S3 example's 9000) are replaced by free
   ones in the copies and in every line run. :meth:`Workspace.run_line` runs one shell line
   of a block as a reader would, in ``bash`` with the venv's ``bin`` first on ``PATH``:
 
   - ``NAME=value`` lines are kept and run before every later command (a reader's shell
     keeps them too);
-  - a server (``uvicorn ...``, ``gymckpt stack up ...``) is started in a process group of
+  - a server (``uvicorn ...``, ``gymckpt stack up ...``, ``gymckpt serve ...``) is started in a process group of
     its own and waited for, polling ``GET /health`` of every port it serves, with a
     deadline; a server command already running is first stopped as Ctrl-C stops it
     (SIGINT, bounded wait), then started again: the README's "stop it and start it again";
@@ -48,7 +48,7 @@ EXAMPLES = REPO / "examples"
 #: the section of the README whose shell blocks tests/test_examples.py runs (and asserts)
 EMBEDDING_SECTION = "Add checkpointing to your own FastAPI server"
 #: ports the documentation names; each workspace replaces them by free ones
-DOC_PORTS = ("8001", "8002", "8100", "8101", "8102", "8103", "8104", "9000")
+DOC_PORTS = ("8001", "8002", "8100", "8101", "8102", "8103", "8104", "8105", "9000")
 SERVER_START_SECONDS = 90.0
 STOP_SECONDS = 20.0
 COMMAND_SECONDS = 180.0
@@ -179,7 +179,7 @@ class Workspace:
             self.variables.append(self.sub(stripped))
             return None
         words = stripped.split()
-        if words[0] == "uvicorn" or words[:3] == ["gymckpt", "stack", "up"]:
+        if words[0] == "uvicorn" or words[:3] == ["gymckpt", "stack", "up"] or words[:2] == ["gymckpt", "serve"]:
             result = Result("server", line)
             self.start_server(stripped)
         elif words[0] == "curl":
@@ -227,7 +227,7 @@ class Workspace:
 
     def _server_ports(self, command: str) -> list[int]:
         words = self.sub(command).split()
-        if words[0] == "uvicorn":
+        if words[0] == "uvicorn" or words[:2] == ["gymckpt", "serve"]:
             return [int(words[words.index("--port") + 1])] if "--port" in words else [8000]
         spec = yaml.safe_load((self.root / words[3]).read_text())
         return [int(entry["port"]) for entry in spec["servers"]]

@@ -90,6 +90,8 @@ def run_demo(
     embedded_endpoint: str = "",
     timeout: float = 120.0,
     logs_dir: Path | None = None,
+    workers: int = 2,
+    restore_workers: int = 3,
 ) -> DemoOutcome:
     """Run the full demo; print progress on ``progress_console`` (default ``console``) and the table.
 
@@ -97,10 +99,14 @@ def run_demo(
     ``timeout`` bounds every phase (stack start, each batch of rollouts, each control call).
     The servers' configs and logs go to a new directory under ``logs_dir`` (the system's
     temporary directory by default), kept only when the demo fails or ``keep`` is set.
-    The returned outcome's ``exit_code`` is the process exit status.
+    The returned outcome's ``exit_code`` is the process exit status. Every Gym server of the
+    interrupted stack runs ``workers`` uvicorn workers and is restarted with ``restore_workers``
+    (the uninterrupted reference runs one worker per server).
     """
     if rollouts < 1:
         raise ValueError("the demo needs at least one rollout")
+    if workers < 1 or restore_workers < 1:
+        raise ValueError("every Gym server needs at least one worker")
     demo = _Demo(
         rollouts=rollouts,
         store_url=store_url,
@@ -111,6 +117,8 @@ def run_demo(
         embedded_endpoint=embedded_endpoint,
         timeout=timeout,
         logs_dir=logs_dir,
+        workers=workers,
+        restore_workers=restore_workers,
     )
     asyncio.run(demo.run())
     render(demo.outcome, console)
@@ -134,8 +142,12 @@ class _Demo:
         embedded_endpoint: str,
         timeout: float,
         logs_dir: Path | None,
+        workers: int = 1,
+        restore_workers: int = 1,
     ) -> None:
         self.progress = progress
+        self.workers = workers
+        self.restore_workers = restore_workers
         self.keep = keep
         self.timeout = timeout
         self.storage_options = storage_options
@@ -182,8 +194,9 @@ class _Demo:
         reference = await self._uninterrupted_run()
 
         began = time.perf_counter()
-        demo = await self._start_stack("demo", storage_options=self.storage_options)
+        demo = await self._start_stack("demo", storage_options=self.storage_options, workers=self.workers)
         gym = await self._wait_up(demo, "demo")
+        self.outcome.workers_before = await self._worker_counts(demo, gym)
         self.progress(
             f"a fresh stack answers after {time.perf_counter() - began:.1f} s: "
             + escape(", ".join(f"{name} {url}" for name, url in demo.urls.items()))
@@ -429,11 +442,15 @@ class _Demo:
             f"SIGKILL of every Gym server's process group ({', '.join(stack.gym_servers)}); "
             "the inference backend keeps running"
         )
-        stack.restart()  # in the loop's thread: an interrupt cannot leave processes nobody kills
+        stack.restart(workers=self.restore_workers)  # in the loop's thread: an interrupt cannot leave orphans
         self._note_pids(stack)
         fresh = await self._wait_up(stack, "demo (restarted)")
+        self.outcome.workers_after = await self._worker_counts(stack, fresh)
         self.outcome.restart_seconds = time.perf_counter() - began
-        self.progress(f"fresh processes on the same ports answer after {self.outcome.restart_seconds:.2f} s")
+        self.progress(
+            f"fresh processes on the same ports answer after {self.outcome.restart_seconds:.2f} s, "
+            f"{self.restore_workers} workers per Gym server (before the crash: {self.workers})"
+        )
         return fresh
 
     async def _restore(self, stack: RolloutHarness, gym: Coordinator, exported: list[str]) -> None:
@@ -523,14 +540,30 @@ class _Demo:
 
     # --- helpers
 
-    async def _start_stack(self, label: str, storage_options: dict[str, Any] | None = None) -> RolloutHarness:
+    async def _worker_counts(self, stack: RolloutHarness, gym: Coordinator) -> dict[str, int]:
+        """Each Gym server's linked workers, as its status says (1 for a single process)."""
+        counts = {}
+        for name in stack.gym_servers:
+            try:
+                status = await gym.status(stack.urls[name])
+            except Exception as exc:
+                raise _Failed(f"the status of {name} failed: {exc}") from exc
+            counts[name] = int(status.get("workers", 1))
+        return counts
+
+    async def _start_stack(
+        self, label: str, storage_options: dict[str, Any] | None = None, *, workers: int = 1
+    ) -> RolloutHarness:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="gymckpt-demo-", dir=self._logs_parent))
             self.outcome.logs_dir = str(self.workdir)
         workdir = self.workdir / label
         workdir.mkdir(parents=True, exist_ok=True)
         spec = default_stack_spec(
-            token=self.token, storage_options=storage_options or None, allowed_roots=self._allowed_roots()
+            token=self.token,
+            storage_options=storage_options or None,
+            allowed_roots=self._allowed_roots(),
+            workers=workers,
         )
         try:
             stack = await RolloutHarness.open(spec, workdir=workdir, request_timeout=self.timeout)

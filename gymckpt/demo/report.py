@@ -82,6 +82,9 @@ class DemoOutcome:
     stages: dict[str, int] = field(default_factory=dict)
     model_calls_before_crash: int = 0
     model_calls_redone: int = 0
+    #: uvicorn workers of each Gym server (name → count) before the crash and after the restore
+    workers_before: dict[str, int] = field(default_factory=dict)
+    workers_after: dict[str, int] = field(default_factory=dict)
     verify_report: VerifyReport | None = None
     #: every server process the demo started (both stacks, restarts included)
     server_pids: list[int] = field(default_factory=list)
@@ -171,6 +174,16 @@ def _reward(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+def _counts(workers: dict[str, int]) -> str:
+    """One number when every server has it, else ``name n`` pairs (``–`` when not reached)."""
+    values = set(workers.values())
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return str(values.pop())
+    return ", ".join(f"{name} {count}" for name, count in sorted(workers.items()))
+
+
 def render(outcome: DemoOutcome, console: Console) -> None:
     """The table, then where the checkpoint lies and how to check it."""
     table = Table(
@@ -194,6 +207,12 @@ def render(outcome: DemoOutcome, console: Console) -> None:
     table.add_row(
         "mean reward", _reward(outcome.mean_reward), f"uninterrupted run: {_reward(outcome.reference_mean_reward)}"
     )
+    if outcome.workers_before or outcome.workers_after:
+        table.add_row(
+            "workers per Gym server",
+            f"{_counts(outcome.workers_before)} → {_counts(outcome.workers_after)}",
+            "before the crash → after the restore",
+        )
     table.add_row("prepare seconds", _seconds(outcome.prepare_seconds), "")
     table.add_row("commit seconds", _seconds(outcome.commit_seconds), "every participant at once")
     table.add_row("restore seconds", _seconds(outcome.restore_seconds), "")

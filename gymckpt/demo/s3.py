@@ -59,6 +59,8 @@ def run_s3_demo(
     progress_console: Console | None = None,
     timeout: float = 120.0,
     logs_dir: Path | None = None,
+    workers: int = 2,
+    restore_workers: int = 3,
 ) -> DemoOutcome:
     """The full demo with the checkpoint on an S3 endpoint served by moto in this process.
 
@@ -95,6 +97,8 @@ def run_s3_demo(
             embedded_endpoint=endpoint.url,
             timeout=timeout,
             logs_dir=logs_dir,
+            workers=workers,
+            restore_workers=restore_workers,
         )
     finally:
         endpoint.stop()
