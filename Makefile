@@ -32,6 +32,7 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_S3_ARGS)
 	$(BIN)/python -m benchmarks.bench_reference $(BENCH_REFERENCE_ARGS)
+	$(BIN)/python -m benchmarks.bench_workers $(BENCH_WORKERS_ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks examples

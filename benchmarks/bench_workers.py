@@ -444,7 +444,8 @@ def render(document: dict[str, Any], console: Console) -> None:
     console.print(
         "prepare, commit (every session, episode_ids given) and restore (every session, after SIGKILL of the "
         "server's process group and a restart with the same worker count, every worker linked) are timed from "
-        "the client: the control call's round trip. records MB: the commit reply's records_bytes (10^6 bytes). "
+        "the client: the control call's round trip. records MB: the commit reply's records_bytes (10^6 bytes; with several "
+        "workers each record also names the worker that owned its session). "
         "A ratio is the median of the per-repetition ratios N workers' time / 1 worker's time (> 1: slower). "
         f"After each restore {config['check']} sampled sessions continued with the right count. 'others' CPU': "
         "the share of all CPUs busy with processes other than this benchmark and its server over its "
@@ -546,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     except BenchFailure as exc:
         console.print(f"[bold red]WRONG RESULT, benchmark void:[/] {exc}")
         return 1
+    except KeyboardInterrupt:
+        console.print("[bold red]interrupted[/]: every server started was killed")
+        return 130
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     document["rows"] = summarize(measurements, args)

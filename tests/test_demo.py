@@ -67,6 +67,10 @@ def test_demo_checkpoints_kills_restores_and_continues(tmp_path: Path) -> None:
     assert outcome.prepare_seconds > 0 and outcome.commit_seconds > 0 and outcome.restore_seconds > 0
     assert outcome.bytes_written > 0
     assert outcome.records_by_participant["environment/environment"] == len(outcome.exported)
+    # two workers per Gym server before the crash, three after: the restore landed on another count
+    gym = ("model", "resources", "agent", "environment")
+    assert outcome.workers_before == dict.fromkeys(gym, 2)
+    assert outcome.workers_after == dict.fromkeys(gym, 3)
 
     # the table and the progress lines
     text = table.getvalue()
@@ -77,6 +81,7 @@ def test_demo_checkpoints_kills_restores_and_continues(tmp_path: Path) -> None:
     assert table_value(text, "results differing") == "0"
     assert table_value(text, "bytes written") == f"{outcome.bytes_written:,}"
     assert table_value(text, "verify") == "OK"
+    assert re.search(r"│ workers per Gym server\s*│\s*2 → 3\s*│", text), text
     assert f"check it yourself: gymckpt verify {outcome.checkpoint_dir}" in text
     for phase in ("uninterrupted run", "checkpoint", "SIGKILL", "restored", "continued", "verify"):
         assert phase in lines.getvalue()
@@ -146,7 +151,7 @@ def test_demo_with_an_embedded_s3_endpoint(tmp_path: Path) -> None:
     from gymckpt.demo import run_s3_demo
 
     out, table = console()
-    outcome = run_s3_demo(rollouts=ROLLOUTS, console=out, logs_dir=tmp_path)
+    outcome = run_s3_demo(rollouts=ROLLOUTS, console=out, logs_dir=tmp_path, workers=1, restore_workers=1)
     assert outcome.exit_code == EXIT_OK, (outcome.error, table.getvalue())
     assert outcome.checkpoint_dir.startswith("s3://gymckpt-demo/checkpoints/demo-")
     assert outcome.lost == [] and outcome.differing == []
@@ -168,7 +173,9 @@ def test_a_continued_result_that_differs_exits_1(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(demo._Demo, "_continue", tampered)
     out, table = console()
-    outcome = run_demo(rollouts=4, store_url=str(tmp_path / "ckpts"), console=out, logs_dir=tmp_path)
+    outcome = run_demo(
+        rollouts=4, store_url=str(tmp_path / "ckpts"), console=out, logs_dir=tmp_path, workers=1, restore_workers=1
+    )
     assert outcome.exit_code == EXIT_DIFFERS
     assert len(outcome.differing) == 1
     assert table_value(table.getvalue(), "results differing") == "1"

@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ from gymckpt.control.settings import read_yaml_file
 from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields
 
 __all__ = ["ServerProcess", "Stack", "load_stack"]
+
+#: how often :meth:`ServerProcess.reap` looks whether a killed server's process group is empty, in seconds
+_GROUP_POLL_SECONDS = 0.01
 
 
 @dataclass
@@ -89,10 +93,25 @@ class ServerProcess:
                 pass
 
     def reap(self, timeout: float = 30.0) -> None:
-        """Wait for a killed server's process to be gone."""
-        if self.process is not None:
-            self.process.wait(timeout=timeout)
-            self.process = None
+        """Wait for a killed server's process, and every process of its group (its workers), to be gone.
+
+        A server's workers are its children: once it is gone, whoever adopted them reaps
+        them, so the group empties a moment later; this waits for that too (bounded).
+        """
+        if self.process is None:
+            return
+        deadline = time.monotonic() + timeout
+        pgid = self.process.pid
+        self.process.wait(timeout=timeout)
+        self.process = None
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:  # the group id was reused by another user's process
+                return
+            time.sleep(_GROUP_POLL_SECONDS)
 
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL the server's whole process group and reap it."""

@@ -269,11 +269,12 @@ class RandomRun:
         directory = str(self.directory / checkpoint_id)
         scope = sorted(self.live)
         ids = {"checkpoint_id": checkpoint_id}
+        self.note(f"{index} checkpoint {checkpoint_id} scope {scope}")
         prepared = await self.control("prepare", ids)
         assert prepared["phase"] == "prepared", prepared
         assert prepared["report"]["ready"] is True, prepared
         commit = await self.control("commit", {**ids, "checkpoint_dir": directory, "episode_ids": scope})
-        self.note(f"{index} checkpoint {checkpoint_id} scope {scope} -> {commit['episode_ids']}")
+        self.note(f"{index}   committed {commit['episode_ids']}")
         assert commit["phase"] == "committed", commit
         assert (commit["kind"], commit["instance"]) == ("resources", INSTANCE), commit
         assert commit["episode_ids"] == scope, "the commit left out (or added) an episode of its scope"
@@ -289,7 +290,8 @@ class RandomRun:
 
     async def op_crash(self, index: int) -> None:
         workers = self.rng.choice([count for count in WORKER_COUNTS if count != self.workers])
-        before = self.workers
+        self.note(f"{index} crash workers {self.workers}->{workers}")
+        self.seen[f"crash {self.workers}->{workers}"] += 1
         await self.kill()
         await self.start(workers)
         last = self.last
@@ -297,12 +299,12 @@ class RandomRun:
             resumed = await self.control("resume", {"checkpoint_id": f"nothing-{self.seed}-{index}"})
             assert resumed["idempotent"] is True, resumed
             self.live = {}
-            self.note(f"{index} crash workers {before}->{workers}, nothing to restore")
+            self.note(f"{index}   nothing to restore")
             return
         ids = {"checkpoint_id": last.checkpoint_id}
         scope = sorted(last.sessions)
         restored = await self.control("restore", {**ids, "checkpoint_dir": last.directory, "episode_ids": scope})
-        self.note(f"{index} crash workers {before}->{workers}, restore {last.checkpoint_id} {scope} -> {restored}")
+        self.note(f"{index}   restore {last.checkpoint_id} {scope} -> {restored}")
         assert restored["phase"] == "restored", restored
         assert restored["source_checkpoint_id"] == last.checkpoint_id, restored
         assert restored["restored"] == sorted(next_key(key) for key in scope), "restored other keys than committed"
@@ -317,11 +319,12 @@ class RandomRun:
 
     async def op_retire(self, index: int) -> None:
         key = self.pick()
+        self.note(f"{index} retire {key}")
         retired = await self.control("retire", {"checkpoint_id": f"retire-{self.seed}-{index}", "episode_ids": [key]})
         assert retired["retired"] == [key], retired
         # with the session's cookie (its owner), then without (whichever worker takes it): refused both times
         refusals = [await self.rollout(key, "increment", {"n": 1}, cookie=cookie) for cookie in (True, False)]
-        self.note(f"{index} retire {key} -> {retired}; increments -> {refusals}")
+        self.note(f"{index}   retired {retired['retired']}; increments -> {refusals}")
         for status, body in refusals:
             assert status == 409, body
             assert body["error"]["code"] == "stale_attempt", body
@@ -337,7 +340,7 @@ class RandomRun:
     def server_log(self) -> str:
         path = self.deployment.stack.servers[NAME].log_path
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        return "\n".join(lines[-LOG_TAIL:])
+        return "\n".join(lines[-LOG_TAIL:]) or "(empty)"
 
 
 def linked(status: dict[str, Any]) -> int:
