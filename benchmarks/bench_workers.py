@@ -347,6 +347,8 @@ def _print_log_tail(stack: Stack, lines: int = 30) -> None:
         tail = log.read_text(errors="replace").splitlines()[-lines:]
     except OSError:
         return
+    if not tail:
+        return
     print(f"--- last lines of {log}:", *tail, sep="\n", file=sys.stderr)
 
 

@@ -372,6 +372,7 @@ class CoordinatedParticipant(Participant):
         """Every worker's records, gathered (one copy per episode); a worker that fails fails the export."""
         replies = await self._broadcast(Message.EXPORT, {"episode_ids": scope}, timeout=None, lost_fails=True)
         exports = {index: _worker_export(reply, self._who(index)) for index, reply in replies.items()}
+        self._reply_extra = _merged_reply_extra(replies)
         held = [entry[1] for entry in self.held.values()]
         self._gathered = gather_exports(exports, held=held, scope=scope, placements=self.placements)
         return list(self._gathered.records)
@@ -379,6 +380,10 @@ class CoordinatedParticipant(Participant):
     async def park_exported(self, records: list[Any]) -> None:
         ids = [record.episode_id if isinstance(record, EncodedRecord) else record["episode_id"] for record in records]
         await self._broadcast(Message.PARK, {"episode_ids": ids}, timeout=self._bounded_timeout())
+
+    def commit_reply_extra(self) -> dict[str, Any]:
+        """The workers' commit reply extras, merged (lists such as ``staging_keys`` joined)."""
+        return dict(self._reply_extra)
 
     def manifest_extra(self) -> dict[str, Any]:
         """``session_owners`` (every owner a cookie may name: the records' and the aliased ones),
@@ -498,6 +503,22 @@ class CoordinatedParticipant(Participant):
             "session_aliases": dict(self.aliases),
             "session_placements": len(self.placements),
         }
+
+
+def _merged_reply_extra(replies: Mapping[int, Any]) -> dict[str, Any]:
+    """Every worker's ``reply_extra``: a list field is the sorted union, any other field the first worker's."""
+    merged: dict[str, Any] = {}
+    for index in sorted(replies):
+        extra = replies[index].get("reply_extra") if isinstance(replies[index], dict) else None
+        for name, value in (extra if isinstance(extra, dict) else {}).items():
+            if isinstance(value, list) and isinstance(merged.get(name, []), list):
+                merged[name] = [*merged.get(name, []), *value]
+            else:
+                merged.setdefault(name, value)
+    for name, value in merged.items():
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            merged[name] = sorted(set(value))
+    return merged
 
 
 def _with_session_id(record: dict[str, Any]) -> dict[str, Any]:

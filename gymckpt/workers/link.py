@@ -413,7 +413,7 @@ class WorkerLink:
         records = list(await participant.export(scope))
         self._exported = records
         lines = await asyncio.to_thread(_encode_lines, records, participant.kind, self.routing_id)
-        return {"records": lines}
+        return {"records": lines, "reply_extra": participant.commit_reply_extra()}
 
     async def _on_park(self, body: object) -> dict[str, Any]:
         wanted = set(_keys(body, "episode_ids"))

@@ -560,3 +560,15 @@ async def test_restore_refuses_when_any_worker_already_serves_work(tmp_path: Pat
         assert (reply.status_code, error_code(reply)) == (409, "checkpoint_error")
         assert "busy-1" in reply.json()["error"]["detail"]
         assert [worker.fake.count("install") for worker in running.workers] == [0, 0]
+
+
+def test_the_workers_commit_reply_extras_are_merged_lists_joined() -> None:
+    from gymckpt.workers.coordinator import _merged_reply_extra
+
+    replies = {
+        2: {"records": [], "reply_extra": {"staging_keys": ["k3", "k1"], "note": "second"}},
+        1: {"records": [], "reply_extra": {"staging_keys": ["k2", "k1"], "note": "first"}},
+        3: {"records": []},
+    }
+    assert _merged_reply_extra(replies) == {"staging_keys": ["k1", "k2", "k3"], "note": "first"}
+    assert _merged_reply_extra({1: {"reply_extra": {"staging_keys": []}}}) == {"staging_keys": []}
