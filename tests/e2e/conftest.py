@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gymckpt.control.coordination import Coordinator, runs_to_await
 from gymckpt.control.routes import CONTROL_PREFIX
@@ -131,7 +132,8 @@ class ResourcesGate:
     """A pass-through HTTP proxy in front of the resources server that can hold ``/verify`` requests.
 
     Runs on this process's event loop. Every request is forwarded unchanged (path with its
-    rollout prefix, body, status, ``x-ng-*`` headers). A ``/verify`` of a held rollout
+    rollout prefix, body, status, ``x-ng-*`` headers, and the session cookies a server with
+    several workers routes by). A ``/verify`` of a held rollout
     waits until :meth:`release` (forwarded) or :meth:`drop` (answered 503, never forwarded:
     its caller died in a crash). :attr:`verifies` lists the capture key of every ``/verify``.
     """
@@ -232,17 +234,22 @@ class ResourcesGate:
                 if not forward:
                     return web.json_response({"error": {"code": "dropped", "detail": key}}, status=503)
         assert self._session is not None
-        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        headers = CIMultiDict((name, value) for name, value in request.headers.items() if _passed(name, ("cookie",)))
+        headers.setdefault("Content-Type", "application/json")
         async with self._session.request(
             request.method, self.upstream + str(request.rel_url), data=body, headers=headers
         ) as upstream:
             payload = await upstream.read()
-            passed = {
-                name: value
-                for name, value in upstream.headers.items()
-                if name.lower().startswith("x-ng-") or name.lower() == "content-type"
-            }
+            passed = CIMultiDict(
+                (name, value) for name, value in upstream.headers.items() if _passed(name, ("set-cookie",))
+            )
             return web.Response(status=upstream.status, body=payload, headers=passed)
+
+
+def _passed(name: str, cookies: tuple[str, ...]) -> bool:
+    """What the gate passes through: ``x-ng-*`` and session headers, the content type, and the cookies."""
+    lowered = name.lower()
+    return lowered.startswith(("x-ng-", "x-nemo-gym-")) or lowered == "content-type" or lowered in cookies
 
 
 # ----------------------------------------------------------------------------- a checkpoint, as the controller sees it
