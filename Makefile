@@ -24,6 +24,9 @@ $(DEV_STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/gymckpt demo
 
+# two test processes, each taking whole files (a module's server stack stays in one process);
+# PYTEST_ARGS="-n 0" runs them in this process, one after another
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
