@@ -10,7 +10,9 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,16 @@ from gymckpt.workers.runtime import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short directory under /tmp: pytest's own can be too long for an AF_UNIX path (under pytest-xdist)."""
+    path = Path(tempfile.mkdtemp(prefix="gr-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _dead_pid() -> int:
