@@ -1,18 +1,32 @@
-"""The fake inference backend: deterministic tokens, produced slowly, and a log of completed calls.
+"""The fake inference backend: deterministic tokens, produced slowly, a log of completed calls, a token store.
 
 Not a Gym server and not a participant: it has no checkpoint routes and survives a Gym
 crash, so tests and the demo can assert on its log that a restore makes no completed call
-again.
+again. It plays the inference worker of a training framework towards the policy model
+server: it stages token ids in a token store, cuts generations at a checkpoint, and
+continues a cut generation on the replacement call.
 
-- ``POST /generate`` ``{"call_id", "prompt", "seed", "max_tokens"}`` →
-  ``{"call_id", "tokens", "text"}``. Tokens are a deterministic function of
-  ``(seed, prompt)`` (a sha256-seeded :class:`random.Random`); a longer generation extends
-  a shorter one. One token every ``token_delay_seconds``, so generations are in flight
-  when a checkpoint is taken.
-- ``GET /calls`` → every completed call in order,
-  ``[{"call_id", "prompt_sha256", "seed", "tokens"}]``; ``POST /calls/reset`` empties it.
+- ``POST /generate`` ``{"call_id", "prompt", "seed", "max_tokens", "ng_capture"?}`` →
+  ``{"call_id", "tokens", "text", "staging_key", "generated", "continued_from"}``. Tokens
+  are a deterministic function of ``(seed, prompt)`` (a sha256-seeded
+  :class:`random.Random`); a longer generation extends a shorter one. One token every
+  ``token_delay_seconds``, so generations are in flight when a checkpoint is taken. A
+  completed generation is staged under ``__calls__/<call_id>``. With
+  ``ng_capture.generation_cut`` (a :class:`GenerationCutContinuation`) the backend checks
+  the staged prefix it names and produces only the rest: the tokens are the same as an
+  uncut generation's; a mismatch is 409 ``generation_cut_mismatch``.
+- ``GET /calls`` → every completed call in order, ``[{"call_id", "prompt_sha256", "seed",
+  "tokens", "staging_key", "generated", "continued_from"}]``; ``POST /calls/reset`` empties it.
+- ``POST /ng-control/v1/generation-cut`` (a :class:`GenerationCutInventory`) → a generation
+  cut receipt: each named call still decoding has the tokens it produced so far staged
+  under ``__generation_cut__/<rollout_id>/<model_call_id>`` and keeps decoding; a completed
+  one is staged whole (a terminal completion); any other is a ``durable_failure``.
+- ``GET /ng-control/v1/staging`` → ``{"keys"}``; ``POST /ng-control/v1/staging/delete``
+  ``{"keys"}`` → ``{"deleted"}``: the trainer's view of its token store.
 
-A generation whose client disconnects is abandoned and never logged.
+With ``checkpoint.control_auth_token`` set, every ``/ng-control/v1/`` route needs
+``Authorization: Bearer <token>`` (401 ``unauthorized``); ``/generate`` and ``/calls`` never do.
+A generation whose client disconnects is abandoned: never logged, never staged.
 """
 
 from __future__ import annotations
@@ -20,15 +34,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import json
 import random
-from typing import TYPE_CHECKING, Any
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gymckpt.control.responses import error_response
-from gymckpt.errors import ClientDisconnected
+from gymckpt.errors import ClientDisconnected, ControlError, InvalidRequest, Unauthorized
 from gymckpt.participants.signal import ChangeSignal
 from gymckpt.servers.base import ServerConfig, build_app
 
@@ -38,13 +56,31 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 __all__ = [
+    "BACKEND_CONTROL_PREFIX",
+    "CALLS_STAGING_PREFIX",
+    "CUT_STAGING_PREFIX",
+    "GENERATION_CUT_ROUTE",
+    "GENERATION_CUT_SCHEMA_VERSION",
+    "MAX_CUT_PREFIXES",
     "MAX_GENERATE_TOKENS",
     "VOCAB_SIZE",
+    "CaptureAdmission",
+    "Generated",
     "GenerateRequest",
+    "GenerationCutContinuation",
+    "GenerationCutInventory",
+    "GenerationCutMismatch",
+    "GenerationCutPrefix",
     "InferenceBackend",
     "InferenceConfig",
+    "StagedTokens",
+    "StagingDeleteRequest",
     "build_inference_app",
+    "calls_staging_key",
+    "cut_staging_key",
     "generate_tokens",
+    "inventory_digest",
+    "prefix_digest",
     "token_text",
 ]
 
@@ -52,12 +88,85 @@ __all__ = [
 VOCAB_SIZE = 32_000
 #: the most tokens one /generate may ask for
 MAX_GENERATE_TOKENS = 1_000_000
+#: the most calls one generation-cut inventory may name
+MAX_CUT_PREFIXES = 100_000
+#: the ``schema_version`` a continuation carries (any positive version is read)
+GENERATION_CUT_SCHEMA_VERSION = 2
+#: every route under it needs the bearer token when one is configured
+BACKEND_CONTROL_PREFIX = "/ng-control/v1/"
+GENERATION_CUT_ROUTE = "/ng-control/v1/generation-cut"
+#: completed generations are staged under ``__calls__/<call_id>``
+CALLS_STAGING_PREFIX = "__calls__"
+#: cut prefixes are staged under ``__generation_cut__/<rollout_id>/<model_call_id>``
+CUT_STAGING_PREFIX = "__generation_cut__"
+
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+_HEX64 = r"^[0-9a-f]{64}$"
 
 
 class InferenceConfig(ServerConfig):
     """The inference backend's config: the simulated latency per token."""
 
     token_delay_seconds: float = Field(default=0.01, ge=0)
+
+
+class GenerationCutMismatch(ControlError):
+    """409 ``generation_cut_mismatch``: a continuation whose staged prefix is missing or not this call's."""
+
+    code = "generation_cut_mismatch"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class GenerationCutPrefix(_Wire):
+    """One call of a cut inventory: the ticket the model server admitted it under."""
+
+    ticket_id: str = Field(pattern=r"^[0-9a-f]{32}$")
+    rollout_id: str = Field(min_length=1, pattern=_ID_PATTERN)
+    attempt: int = Field(ge=0, strict=True)
+    model_call_id: str = Field(min_length=1)
+    admitted_at: float
+
+
+class GenerationCutInventory(_Wire):
+    """The body of ``POST /ng-control/v1/generation-cut``: the calls to cut, bound by a digest."""
+
+    checkpoint_id: str = Field(min_length=1)
+    server_name: str = Field(min_length=1)
+    active_prefixes: list[GenerationCutPrefix] = Field(default_factory=list, max_length=MAX_CUT_PREFIXES)
+    inventory_digest: str = Field(pattern=_HEX64)
+
+
+class GenerationCutContinuation(_Wire):
+    """A staged prefix of the same generation, which ``/generate`` continues instead of starting over."""
+
+    schema_version: int = Field(default=GENERATION_CUT_SCHEMA_VERSION, ge=1, strict=True)
+    source_capture_key: str = Field(min_length=1)
+    source_model_call_id: str = Field(min_length=1)
+    staging_keys: list[str] = Field(min_length=1)
+    prefix_token_count: int = Field(ge=0, strict=True)
+    prefix_digest: str = Field(pattern=_HEX64)
+    effective_output_limit: int = Field(ge=1, strict=True)
+    terminal_finish_reason: Literal["stop", "length"] | None = None
+    terminal_stop_reason: str | int | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GenerationCutContinuation:
+        if len(set(self.staging_keys)) != len(self.staging_keys):
+            raise ValueError("generation_cut staging_keys must be unique")
+        if self.terminal_stop_reason is not None and self.terminal_finish_reason is None:
+            raise ValueError("terminal_stop_reason requires terminal_finish_reason")
+        return self
+
+
+class CaptureAdmission(BaseModel):
+    """``ng_capture`` of a ``/generate``: the capture admission; only ``generation_cut`` is read."""
+
+    model_config = ConfigDict(extra="allow")
+
+    generation_cut: GenerationCutContinuation | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -69,6 +178,55 @@ class GenerateRequest(BaseModel):
     prompt: str
     seed: int
     max_tokens: int = Field(ge=0, le=MAX_GENERATE_TOKENS)
+    ng_capture: CaptureAdmission | None = None
+
+    @property
+    def generation_cut(self) -> GenerationCutContinuation | None:
+        """The cut this call continues, if any."""
+        return self.ng_capture.generation_cut if self.ng_capture is not None else None
+
+
+class StagingDeleteRequest(BaseModel):
+    """The body of ``POST /ng-control/v1/staging/delete``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[str] = Field(max_length=MAX_CUT_PREFIXES)
+
+
+@dataclass
+class StagedTokens:
+    """One entry of the token store: a generation's token ids and what they were generated for."""
+
+    tokens: list[int]
+    seed: int
+    prompt_sha256: str
+    max_tokens: int
+    #: True for a completed generation, False for the prefix of one cut while decoding
+    complete: bool
+    call_id: str = ""
+
+
+@dataclass
+class Generated:
+    """A completed ``/generate``: the full token list and how much of it this call produced."""
+
+    tokens: list[int]
+    staging_key: str
+    generated: int
+    continued_from: int
+
+
+@dataclass
+class _Live:
+    """A generation still decoding: what a cut needs of it."""
+
+    serial: int
+    call_id: str
+    seed: int
+    prompt_sha256: str
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
 
 
 def _rng(seed: int, prompt: str) -> random.Random:
@@ -87,8 +245,43 @@ def token_text(tokens: list[int]) -> str:
     return " ".join(map(str, tokens))
 
 
+def prefix_digest(tokens: list[int]) -> str:
+    """A cut prefix's digest: the sha256 hex of its :func:`token_text`."""
+    return hashlib.sha256(token_text(tokens).encode()).hexdigest()
+
+
+def calls_staging_key(call_id: str) -> str:
+    """Where a completed generation of ``call_id`` is staged."""
+    return f"{CALLS_STAGING_PREFIX}/{call_id}"
+
+
+def cut_staging_key(rollout_id: str, model_call_id: str) -> str:
+    """Where a cut stages the prefix of ``model_call_id``."""
+    return f"{CUT_STAGING_PREFIX}/{rollout_id}/{model_call_id}"
+
+
+def inventory_digest(checkpoint_id: str, server_name: str, active_prefixes: list[dict[str, Any]]) -> str:
+    """The ``inventory_digest`` of an inventory: sha256 hex of its canonical JSON (prefixes in the order given)."""
+    payload = {"checkpoint_id": checkpoint_id, "server_name": server_name, "active_prefixes": active_prefixes}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _failure_ack() -> dict[str, Any]:
+    return {
+        "disposition": "durable_failure",
+        "cut_kind": None,
+        "frozen_buffer_id": None,
+        "staging_keys": [],
+        "prefix_token_count": None,
+        "prefix_digest": None,
+        "effective_output_limit": None,
+        "terminal_finish_reason": None,
+        "terminal_stop_reason": None,
+    }
+
+
 class InferenceBackend:
-    """The generations in flight and the log of completed ones (one per app)."""
+    """The generations in flight, the log of completed ones and the token store (one per app)."""
 
     def __init__(self, token_delay_seconds: float) -> None:
         self.token_delay_seconds = token_delay_seconds
@@ -98,45 +291,230 @@ class InferenceBackend:
         self.in_flight: dict[int, str] = {}
         #: generations abandoned because their client went away
         self.abandoned = 0
+        #: the token store: staging key → staged token ids
+        self.staged: dict[str, StagedTokens] = {}
+        #: generation serial → its state, for generations not yet completed
+        self._live: dict[int, _Live] = {}
         self._serial = itertools.count()
         self._signal = ChangeSignal()
+        self._decoding = asyncio.Event()
+        self._decoding.set()
 
     def _changed(self) -> None:
         self._signal.changed()
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None) -> None:
-        """Wait until ``predicate()`` holds, re-checked whenever a generation starts or ends."""
+        """Wait until ``predicate()`` holds, re-checked whenever a generation starts, ends or makes a token."""
         await self._signal.wait_until(predicate, timeout)
 
-    async def generate(self, request: GenerateRequest, disconnected: Callable[[], Any]) -> list[int] | None:
-        """Produce the tokens one by one; None if the client went away before the end."""
+    def pause(self) -> None:
+        """Hold every generation before its next token until :meth:`resume` (tests: a generation stays mid-way)."""
+        self._decoding.clear()
+
+    def resume(self) -> None:
+        """Let the generations :meth:`pause` held go on."""
+        self._decoding.set()
+
+    def progress(self, call_id: str) -> int | None:
+        """The tokens the latest generation of ``call_id`` still decoding has so far (None: none decodes)."""
+        live = self._latest_live(call_id)
+        return None if live is None else len(live.tokens)
+
+    def _latest_live(self, call_id: str) -> _Live | None:
+        matching = [live for live in self._live.values() if live.call_id == call_id]
+        return max(matching, key=lambda live: live.serial) if matching else None
+
+    # --- generation
+
+    def _checked_prefix(self, request: GenerateRequest, cut: GenerationCutContinuation) -> StagedTokens:
+        """The staged prefix ``cut`` names, if it is this request's; else :class:`GenerationCutMismatch`."""
+        key = cut.staging_keys[0]
+        staged = self.staged.get(key)
+        if staged is None:
+            raise GenerationCutMismatch(f"generation_cut: no staged prefix under {key!r}")
+        differences = []
+        if staged.seed != request.seed:
+            differences.append(f"seed {staged.seed} != {request.seed}")
+        if staged.prompt_sha256 != hashlib.sha256(request.prompt.encode()).hexdigest():
+            differences.append("prompt_sha256 differs from this prompt's")
+        if len(staged.tokens) != cut.prefix_token_count:
+            differences.append(f"prefix_token_count {cut.prefix_token_count} != {len(staged.tokens)} staged")
+        if prefix_digest(staged.tokens) != cut.prefix_digest:
+            differences.append("prefix_digest differs from the staged tokens'")
+        if len(staged.tokens) > request.max_tokens and cut.terminal_finish_reason is None:
+            differences.append(f"{len(staged.tokens)} staged tokens exceed max_tokens {request.max_tokens}")
+        if differences:
+            raise GenerationCutMismatch(f"generation_cut {key!r}: " + "; ".join(differences))
+        return staged
+
+    def _complete(self, request: GenerateRequest, tokens: list[int], continued_from: int) -> Generated:
+        """Stage and log a completed generation."""
+        key = calls_staging_key(request.call_id)
+        prompt_sha256 = hashlib.sha256(request.prompt.encode()).hexdigest()
+        self.staged[key] = StagedTokens(
+            list(tokens), request.seed, prompt_sha256, request.max_tokens, complete=True, call_id=request.call_id
+        )
+        generated = len(tokens) - continued_from
+        self.calls.append(
+            {
+                "call_id": request.call_id,
+                "prompt_sha256": prompt_sha256,
+                "seed": request.seed,
+                "tokens": list(tokens),
+                "staging_key": key,
+                "generated": generated,
+                "continued_from": continued_from,
+            }
+        )
+        return Generated(list(tokens), key, generated, continued_from)
+
+    async def generate(self, request: GenerateRequest, disconnected: Callable[[], Any]) -> Generated | None:
+        """Produce the tokens one by one; None if the client went away before the end.
+
+        A continuation (``ng_capture.generation_cut``) starts from its checked staged prefix
+        (:class:`GenerationCutMismatch` before anything is generated), or with a terminal
+        finish reason returns the staged tokens at once.
+        """
+        cut = request.generation_cut
+        prefix: list[int] = []
+        if cut is not None:
+            prefix = list(self._checked_prefix(request, cut).tokens)
+            if cut.terminal_finish_reason is not None:
+                return self._complete(request, prefix, continued_from=len(prefix))
         serial = next(self._serial)
+        prompt_sha256 = hashlib.sha256(request.prompt.encode()).hexdigest()
+        live = _Live(serial, request.call_id, request.seed, prompt_sha256, request.max_tokens, list(prefix))
+        self._live[serial] = live
         self.in_flight[serial] = request.call_id
         self._changed()
         rng = _rng(request.seed, request.prompt)
-        tokens: list[int] = []
+        for _ in prefix:  # the prefix's draws, without delay: the rest is what an uncut generation makes
+            rng.randrange(VOCAB_SIZE)
         try:
-            for _ in range(request.max_tokens):
+            while len(live.tokens) < request.max_tokens:
                 await asyncio.sleep(self.token_delay_seconds)
+                await self._decoding.wait()
                 if await disconnected():
                     self.abandoned += 1
                     return None
-                tokens.append(rng.randrange(VOCAB_SIZE))
+                live.tokens.append(rng.randrange(VOCAB_SIZE))
+                self._changed()
             if await disconnected():
                 self.abandoned += 1
                 return None
-            self.calls.append(
-                {
-                    "call_id": request.call_id,
-                    "prompt_sha256": hashlib.sha256(request.prompt.encode()).hexdigest(),
-                    "seed": request.seed,
-                    "tokens": list(tokens),
-                }
-            )
-            return tokens
+            return self._complete(request, live.tokens, continued_from=len(prefix))
         finally:
             del self.in_flight[serial]
+            del self._live[serial]
             self._changed()
+
+    # --- generation cut
+
+    def cut(self, inventory: GenerationCutInventory) -> dict[str, Any]:
+        """The receipt of a cut: each named call's prefix staged (or a durable failure), in the order named."""
+        echoed = inventory.model_dump(mode="json")
+        return {
+            "checkpoint_id": inventory.checkpoint_id,
+            "cut_id": uuid.uuid4().hex,
+            "inventory_digest": inventory.inventory_digest,
+            "inventory": echoed,
+            "backend_snapshot_id": uuid.uuid4().hex,
+            "prefixes": [
+                {**sent, **self._cut_one(prefix)}
+                for sent, prefix in zip(echoed["active_prefixes"], inventory.active_prefixes, strict=True)
+            ],
+        }
+
+    def _cut_one(self, prefix: GenerationCutPrefix) -> dict[str, Any]:
+        key = cut_staging_key(prefix.rollout_id, prefix.model_call_id)
+        live = self._latest_live(prefix.model_call_id)
+        if live is not None:  # still decoding: freeze what it has, and let it go on
+            tokens = list(live.tokens)
+            self.staged[key] = StagedTokens(
+                tokens, live.seed, live.prompt_sha256, live.max_tokens, complete=False, call_id=live.call_id
+            )
+            return self._durable_ack(key, "active_prefix", tokens, max(1, live.max_tokens - len(tokens)), None)
+        done = self.staged.get(calls_staging_key(prefix.model_call_id))
+        if done is not None and done.complete:
+            tokens = list(done.tokens)
+            self.staged[key] = StagedTokens(
+                tokens, done.seed, done.prompt_sha256, done.max_tokens, complete=True, call_id=done.call_id
+            )
+            return self._durable_ack(key, "terminal_completion", tokens, 1, "length")
+        return _failure_ack()
+
+    @staticmethod
+    def _durable_ack(
+        key: str, cut_kind: str, tokens: list[int], output_limit: int, finish_reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "disposition": "durable_prefix",
+            "cut_kind": cut_kind,
+            "frozen_buffer_id": uuid.uuid4().hex,
+            "staging_keys": [key],
+            "prefix_token_count": len(tokens),
+            "prefix_digest": prefix_digest(tokens),
+            "effective_output_limit": output_limit,
+            "terminal_finish_reason": finish_reason,
+            "terminal_stop_reason": None,
+        }
+
+    # --- token store
+
+    def staging_keys(self) -> list[str]:
+        """Every staged key, sorted."""
+        return sorted(self.staged)
+
+    def delete_staged(self, keys: list[str]) -> int:
+        """Drop ``keys`` from the token store; how many were there."""
+        return sum(1 for key in set(keys) if self.staged.pop(key, None) is not None)
+
+
+class _BackendControlAuth:
+    """ASGI middleware: every ``/ng-control/v1/`` path needs ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(BACKEND_CONTROL_PREFIX):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                await error_response(Unauthorized("missing or wrong bearer token"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_detail(exc: ValidationError) -> str:
+    detail = "; ".join(
+        f"{'.'.join(str(part) for part in error.get('loc', ()))}: {error.get('msg', '')}" for error in exc.errors()
+    )
+    return detail[:2000]
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> tuple[Any, Any]:
+    """The body as JSON and as ``model``; :class:`InvalidRequest` when it is neither."""
+    try:
+        raw = await request.json()
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not JSON: {exc}") from exc
+    try:
+        return raw, model.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(_validation_detail(exc)) from exc
+
+
+def _check_digest(raw: dict[str, Any], inventory: GenerationCutInventory) -> None:
+    """The digest must be the inventory's, prefixes as sent or as read (an int ``admitted_at`` reads as a float)."""
+    sent = inventory_digest(inventory.checkpoint_id, inventory.server_name, list(raw.get("active_prefixes", [])))
+    read = inventory_digest(
+        inventory.checkpoint_id,
+        inventory.server_name,
+        [prefix.model_dump(mode="json") for prefix in inventory.active_prefixes],
+    )
+    if inventory.inventory_digest not in (sent, read):
+        raise InvalidRequest(f"inventory_digest {inventory.inventory_digest} is not the inventory's ({read})")
 
 
 def build_inference_app(config: InferenceConfig) -> FastAPI:
@@ -144,13 +522,24 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
     app, _, _ = build_app("gymckpt inference", config, participant=None)
     backend = InferenceBackend(config.token_delay_seconds)
     app.state.backend = backend
+    if config.checkpoint.token:
+        app.add_middleware(_BackendControlAuth, token=config.checkpoint.token)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> JSONResponse:
-        tokens = await backend.generate(body, request.is_disconnected)
-        if tokens is None:  # nobody reads this reply
+        result = await backend.generate(body, request.is_disconnected)
+        if result is None:  # nobody reads this reply
             return error_response(ClientDisconnected(body.call_id))
-        return JSONResponse({"call_id": body.call_id, "tokens": tokens, "text": token_text(tokens)})
+        return JSONResponse(
+            {
+                "call_id": body.call_id,
+                "tokens": result.tokens,
+                "text": token_text(result.tokens),
+                "staging_key": result.staging_key,
+                "generated": result.generated,
+                "continued_from": result.continued_from,
+            }
+        )
 
     @app.get("/calls")
     async def calls() -> list[dict[str, Any]]:
@@ -161,5 +550,20 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
         cleared = len(backend.calls)
         backend.calls.clear()
         return {"cleared": cleared}
+
+    @app.post(GENERATION_CUT_ROUTE)
+    async def generation_cut(request: Request) -> JSONResponse:
+        raw, inventory = await _parse(request, GenerationCutInventory)
+        _check_digest(raw, inventory)
+        return JSONResponse(backend.cut(inventory))
+
+    @app.get(f"{BACKEND_CONTROL_PREFIX}staging")
+    async def staging() -> dict[str, list[str]]:
+        return {"keys": backend.staging_keys()}
+
+    @app.post(f"{BACKEND_CONTROL_PREFIX}staging/delete")
+    async def delete_staging(request: Request) -> dict[str, int]:
+        _, body = await _parse(request, StagingDeleteRequest)
+        return {"deleted": backend.delete_staged(body.keys)}
 
     return app

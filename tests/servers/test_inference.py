@@ -65,8 +65,19 @@ def test_calls_log_lists_completed_calls_in_order_and_reset_empties_it() -> None
                     "prompt_sha256": hashlib.sha256(b"one").hexdigest(),
                     "seed": 1,
                     "tokens": generate_tokens(1, "one", 3),
+                    "staging_key": "__calls__/r:0",
+                    "generated": 3,
+                    "continued_from": 0,
                 },
-                {"call_id": "r:1", "prompt_sha256": hashlib.sha256(b"two").hexdigest(), "seed": 2, "tokens": []},
+                {
+                    "call_id": "r:1",
+                    "prompt_sha256": hashlib.sha256(b"two").hexdigest(),
+                    "seed": 2,
+                    "tokens": [],
+                    "staging_key": "__calls__/r:1",
+                    "generated": 0,
+                    "continued_from": 0,
+                },
             ]
             assert (await client.post("/calls/reset")).status_code == 200
             assert (await client.get("/calls")).json() == []
