@@ -64,6 +64,13 @@ class Participant(ABC):
         """Raise :class:`~gymckpt.errors.StaleAttempt` for work of a retired attempt."""
         self.fence.check(key)
 
+    def note_deadline(self, deadline_ts: float | None) -> None:
+        """The deadline of the control call about to run (a prepare's, before :meth:`close_admission`).
+
+        Default: ignored. The policy model bounds its generation cuts by it; a coordinator of
+        several workers bounds its messages by it.
+        """
+
     @abstractmethod
     async def close_admission(self, checkpoint_id: str) -> None:
         """Stop admitting new work for checkpoint (or restore) ``checkpoint_id``; running work

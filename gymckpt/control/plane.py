@@ -269,6 +269,7 @@ class ControlPlane:
             checkpoint = self._open = _Checkpoint(request.checkpoint_id)
             self.phase = Phase.PREPARING
             self._extend_lease(request.deadline_ts)
+            self.participant.note_deadline(request.deadline_ts)
             checkpoint.closing = _spawn(self._close_admission(checkpoint), "gymckpt-close")
         else:
             checkpoint = self._open

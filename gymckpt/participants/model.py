@@ -1,4 +1,4 @@
-"""The policy model participant (without generation cuts).
+"""The policy model participant: held responses, generation cuts and the capture ledger (P4).
 
 Every ``/v1/responses`` call is tracked under its capture key through four states:
 
@@ -10,24 +10,40 @@ Every ``/v1/responses`` call is tracked under its capture key through four state
 - ``streaming``: a ``"stream": true`` response already sending bytes. Only these block
   readiness: a response half on the wire cannot be taken back.
 
-Nothing is exported for an undelivered call: the agent calls again after a restore, so
-the export is empty and a restore installs nothing (generation cuts and the capture ledger
-come later). Readiness is a running count of the streaming calls.
+Generation cuts. Closing admission (prepare) asks the inference backend, through
+:attr:`ModelParticipant.cut_source`, to cut every undelivered call of an episode at a
+durable token prefix, within half of the remaining deadline (:meth:`note_deadline`). A
+call with constrained decoding (:attr:`ModelCall.constrained`) is never cut; a cut that
+fails leaves the call held and the checkpoint valid (it is generated again after a
+crash). Counts: ``cut``, ``cut_failed``, ``cut_skipped``.
+
+The capture ledger. Each delivered call leaves a row ``{model_call_id, request_digest,
+staging_key, tokens}`` under its capture key (:meth:`ModelParticipant.delivered`). A commit
+exports, per scoped episode with rows or a cut, ``{"episode_id", "rows", "generation_cuts"}``
+(one cut per episode: its latest admitted undelivered call's), and its reply lists the
+``staging_keys`` those records still refer to (and ``staging_keys_by_episode``). A restore,
+only on a server that has served no call, installs the rows under the replacement attempt
+and keeps each restored cut until the replacement call with the same request delivers:
+that call continues the cut's prefix (:meth:`ModelParticipant.continuation_for`).
 
 A call's waiting, generation and hold run as one child task of its handler, so
 :meth:`ModelParticipant.retire` can cancel it without cancelling the server's request
-task; the handler then answers ``stale_attempt``.
+task; the handler then answers ``stale_attempt``. Calls without a rollout (health checks,
+evaluations) are admitted and tracked, but never cut or exported.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gymckpt.control.participant import Participant
-from gymckpt.errors import InvalidCheckpointState, RolloutIdRequired, StaleAttempt
+from gymckpt.errors import ControlError, InvalidCheckpointState, StaleAttempt
 from gymckpt.identity import AttemptsUpTo, EpisodeId
 from gymckpt.participants.signal import AdmissionGate, ChangeSignal
 
@@ -36,7 +52,14 @@ if TYPE_CHECKING:
 
     from gymckpt.store.manifest import Manifest
 
-__all__ = ["CallState", "ModelCall", "ModelParticipant"]
+__all__ = ["SERVED_REFUSAL", "CallState", "ModelCall", "ModelParticipant", "staging_keys_of"]
+
+logger = logging.getLogger(__name__)
+
+#: the detail of a restore refused on a model server that has served calls
+SERVED_REFUSAL = "model restore requires a freshly started model server; this one has served calls"
+#: how long a cut round may take when no deadline was noted, in seconds
+DEFAULT_CUT_SECONDS = 10.0
 
 T = TypeVar("T")
 
@@ -66,6 +89,20 @@ class ModelCall:
     #: set by retire: the call must stop and answer stale_attempt
     retired: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the inference backend's call id (the ledger's ``model_call_id``)
+    call_id: str = ""
+    #: sha256 of the request's prompt: a restored cut continues only the same request
+    request_digest: str = ""
+    #: why this call is never cut (constrained decoding), or None
+    constrained: str | None = None
+    ticket_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    admitted_at: float = field(default_factory=time.time)
+    #: the continuation this checkpoint's cut gave (None: not cut)
+    cut: dict[str, Any] | None = None
+    cut_failed: bool = False
+    #: the restored cut this call continues (None: none)
+    continues: dict[str, Any] | None = None
+    delivered: bool = False
 
     @property
     def key(self) -> str:
@@ -88,18 +125,37 @@ class ModelParticipant(Participant):
         self._streaming: dict[str, int] = {}
         self._listeners: list[Callable[[], None]] = []
         self._signal = ChangeSignal()
+        #: set by the server: asks the inference backend to cut undelivered calls
+        self.cut_source: Callable[[str, list[dict[str, Any]]], Awaitable[dict[str, dict[str, Any]]]] | None = None
+        self._deadline_ts: float | None = None
+        #: whether any call was admitted since start (a restore needs a fresh server)
+        self.served = False
+        #: the capture ledger: capture key → rows of its delivered calls
+        self.ledger: dict[str, list[dict[str, Any]]] = {}
+        #: restored cuts by the capture key of the attempt that continues them
+        self.restored_cuts: dict[str, dict[str, Any]] = {}
+        self._exported: list[dict[str, Any]] = []
 
     # --- the data path, for the server's /v1/responses
 
-    def admit(self, episode: EpisodeId | None, *, stream: bool = False) -> ModelCall:
+    def admit(
+        self,
+        episode: EpisodeId | None,
+        *,
+        stream: bool = False,
+        call_id: str = "",
+        request_digest: str = "",
+        constrained: str | None = None,
+    ) -> ModelCall:
         """Register a new call (state ``waiting``) after the data-path checks.
 
-        With checkpointing on (a bound plane), a call without a rollout prefix is refused
-        (:class:`RolloutIdRequired`) and one of a retired attempt too (:class:`StaleAttempt`).
+        A call of a retired attempt is refused (:class:`StaleAttempt`); one without a
+        rollout prefix is admitted (an evaluation, a probe) but never cut or exported.
         Every admitted call must be ended with :meth:`finish`.
         """
         self._check(episode)
-        call = ModelCall(episode, stream)
+        self.served = True
+        call = ModelCall(episode, stream, call_id=call_id, request_digest=request_digest, constrained=constrained)
         rollout = episode.rollout_id if episode is not None else None
         self._calls.setdefault(rollout, {})[call] = None
         self._counts[CallState.WAITING] += 1
@@ -153,13 +209,77 @@ class ModelParticipant(Participant):
         self._changed()
 
     def _check(self, episode: EpisodeId | None) -> None:
-        if self.plane is None:
+        if self.plane is None or episode is None:
             return
-        if episode is None:
-            raise RolloutIdRequired(
-                "with checkpointing on, model calls carry their rollout: POST /ng-rollout/<capture key>/v1/responses"
-            )
         self.check_attempt(episode.capture_key)
+
+    # --- generation cuts and the capture ledger, for the server
+
+    def continuation_for(self, call: ModelCall) -> dict[str, Any] | None:
+        """The restored cut ``call`` continues (same attempt, same request), else None."""
+        restored = self.restored_cuts.get(call.key) if call.episode is not None else None
+        if restored is None or restored.get("request_digest") != call.request_digest or call.constrained:
+            return None
+        call.continues = restored
+        return dict(restored["continuation"])
+
+    def delivered(self, call: ModelCall, row: dict[str, Any]) -> None:
+        """``call``'s response was delivered: its ledger row is kept, a restored cut it continued is used up."""
+        call.delivered = True
+        if call.episode is None:
+            return
+        self.ledger.setdefault(call.key, []).append(dict(row))
+        if call.continues is not None and self.restored_cuts.get(call.key) is call.continues:
+            del self.restored_cuts[call.key]
+
+    def note_deadline(self, deadline_ts: float | None) -> None:
+        """The deadline of the prepare about to close admission: the cut round takes half of what is left."""
+        self._deadline_ts = deadline_ts
+
+    def _undelivered(self) -> list[ModelCall]:
+        return [
+            call
+            for calls in self._calls.values()
+            for call in calls
+            if call.episode is not None
+            and call.state in (CallState.IN_FLIGHT, CallState.HELD)
+            and call.call_id
+            and not call.delivered
+        ]
+
+    async def _cut_round(self, checkpoint_id: str) -> None:
+        """Ask the backend to cut every undelivered, unconstrained call; a failure leaves them held."""
+        undelivered = self._undelivered()
+        for call in undelivered:
+            call.cut, call.cut_failed = None, False
+        cuttable = [call for call in undelivered if call.constrained is None]
+        if self.cut_source is None or not cuttable:
+            return
+        remaining = DEFAULT_CUT_SECONDS if self._deadline_ts is None else self._deadline_ts - time.time()
+        prefixes = [
+            {
+                "ticket_id": call.ticket_id,
+                "rollout_id": call.episode.rollout_id,
+                "attempt": call.episode.attempt,
+                "model_call_id": call.call_id,
+                "admitted_at": call.admitted_at,
+            }
+            for call in cuttable
+            if call.episode is not None
+        ]
+        try:
+            async with asyncio.timeout(max(0.0, remaining) / 2):
+                acks = await self.cut_source(checkpoint_id, prefixes)
+        except Exception as exc:  # the backend, the network, the deadline: the calls stay held, uncut
+            logger.warning("the generation cut of %d calls failed: %s", len(cuttable), exc)
+            acks = {}
+        for call in cuttable:
+            ack = acks.get(call.ticket_id)
+            if ack is not None and ack.get("disposition") == "durable_prefix":
+                call.cut = _continuation(call, ack)
+            else:
+                call.cut_failed = True
+        self._changed()
 
     async def _wait_open(self, call: ModelCall, state: CallState) -> None:
         while self._gate.closed:
@@ -224,10 +344,15 @@ class ModelParticipant(Participant):
     # --- the Participant interface
 
     async def close_admission(self, checkpoint_id: str) -> None:
+        """Hold every undelivered response, make new calls wait, then cut the undelivered calls."""
         self._gate.close()
         self._changed()
+        await self._cut_round(checkpoint_id)
 
     async def open_admission(self) -> None:
+        """Deliver what was held; this checkpoint's cuts are over (the calls were not interrupted)."""
+        for call in self._undelivered():
+            call.cut, call.cut_failed = None, False
         self._gate.open()
         self._changed()
 
@@ -241,27 +366,94 @@ class ModelParticipant(Participant):
         return [key for key, _ in zip(self._streaming, range(limit), strict=False)]
 
     def counts(self) -> dict[str, int]:
-        return {str(state): self._counts[state] for state in CallState if state is not CallState.ENDED}
+        """Calls by state, and the undelivered calls ``cut``, ``cut_failed`` and ``cut_skipped`` (constrained)."""
+        counts = {str(state): self._counts[state] for state in CallState if state is not CallState.ENDED}
+        undelivered = self._undelivered()
+        counts["cut"] = sum(1 for call in undelivered if call.cut is not None)
+        counts["cut_failed"] = sum(1 for call in undelivered if call.cut_failed)
+        counts["cut_skipped"] = sum(1 for call in undelivered if call.constrained is not None)
+        return counts
 
     def add_readiness_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
     async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
-        """Nothing: an undelivered call is left out, the agent calls again after a restore."""
-        return []
+        """Per scoped episode with ledger rows or a cut: ``{"episode_id", "rows", "generation_cuts"}``.
+
+        The cut is the one of the episode's latest admitted undelivered call, else a restored
+        cut no replacement call has delivered yet. Delivered calls' rows only: an undelivered
+        call is continued from its cut, or called again, after a restore.
+        """
+        cuts: dict[str, ModelCall] = {}
+        for call in self._undelivered():
+            if call.cut is not None and (call.key not in cuts or call.admitted_at > cuts[call.key].admitted_at):
+                cuts[call.key] = call
+        keys = (
+            list(dict.fromkeys([*self.ledger, *cuts, *self.restored_cuts]))
+            if scope is None
+            else list(dict.fromkeys(scope))
+        )
+        records = []
+        for key in keys:
+            rows = self.ledger.get(key, [])
+            cut = cuts.get(key)
+            if cut is not None:
+                generation_cuts = [
+                    {"model_call_id": cut.call_id, "request_digest": cut.request_digest, "continuation": cut.cut}
+                ]
+            elif key in self.restored_cuts:
+                generation_cuts = [dict(self.restored_cuts[key])]
+            else:
+                generation_cuts = []
+            if rows or generation_cuts:
+                records.append(
+                    {"episode_id": key, "rows": [dict(row) for row in rows], "generation_cuts": generation_cuts}
+                )
+        self._exported = records
+        return records
 
     def commit_reply_extra(self) -> dict[str, Any]:
-        """``staging_keys``: the inference backend's staged generations a commit keeps (none without a capture ledger)."""
-        return {"staging_keys": []}
+        """``staging_keys`` (every staged key the exported records refer to) and ``staging_keys_by_episode``."""
+        by_episode = {record["episode_id"]: staging_keys_of(record) for record in self._exported}
+        return {
+            "staging_keys": sorted({key for keys in by_episode.values() for key in keys}),
+            "staging_keys_by_episode": by_episode,
+        }
+
+    def live_work(self) -> list[str]:
+        """The capture keys of live calls (a restore refuses to run over them)."""
+        return sorted({call.key for calls in self._calls.values() for call in calls if call.episode is not None})
 
     async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
-        """Nothing to install: a model checkpoint holds no records."""
-        if records:
-            raise InvalidCheckpointState(
-                f"the model participant exports no records, yet {len(records)} were restored "
-                f"(first: {records[0].get('episode_id')!r})",
-                participant=f"{self.kind}/{self.instance}",
-            )
+        """Install the ledger rows and restored cuts under the replacement attempts (all checked first).
+
+        Refused (409 ``checkpoint_error``) on a server that has served a call since it started.
+        """
+        if self.served:
+            raise ControlError(SERVED_REFUSAL)
+        participant = f"{self.kind}/{self.instance}"
+        checked: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]] = []
+        for record in records:
+            key = record["episode_id"]
+            rows, cuts = record.get("rows", []), record.get("generation_cuts", [])
+            if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+                raise InvalidCheckpointState(
+                    f"model record {key!r}: rows must be a list of objects", participant=participant
+                )
+            if not isinstance(cuts, list) or len(cuts) > 1:
+                raise InvalidCheckpointState(
+                    f"model record {key!r} has more than one undelivered cut", participant=participant
+                )
+            cut = cuts[0] if cuts else None
+            if cut is not None and not _is_cut(cut):
+                raise InvalidCheckpointState(
+                    f"model record {key!r} has a malformed generation cut", participant=participant
+                )
+            checked.append((key, rows, cut))
+        for key, rows, cut in checked:
+            self.ledger[key] = [dict(row) for row in rows]
+            if cut is not None:
+                self.restored_cuts[key] = dict(cut)
 
     async def retire(self, episode_ids: list[str]) -> None:
         """Stop the calls of these attempts and earlier ones of the same rollouts, wait for them, free them."""
@@ -277,6 +469,53 @@ class ModelParticipant(Participant):
             if call.task is not None and not call.task.done():
                 call.task.cancel()
         await asyncio.gather(*(call.ended.wait() for call in doomed))
+        for key in [key for key in {*self.ledger, *self.restored_cuts} if covered.covers(key)]:
+            self.ledger.pop(key, None)
+            self.restored_cuts.pop(key, None)
 
     async def delete_restored(self, episode_ids: list[str]) -> None:
-        """Nothing was restored, and the replacement attempts' calls must go on."""
+        """Drop the restored cuts and rows a commit left out whose replacement has made no call."""
+        live = {call.key for calls in self._calls.values() for call in calls}
+        for key in episode_ids:
+            if key not in live and key in self.restored_cuts:
+                del self.restored_cuts[key]
+                self.ledger.pop(key, None)
+
+    def status_extra(self) -> dict[str, Any]:
+        """``restored_generation_cuts``: the attempts whose restored cut no call has delivered yet."""
+        return {"restored_generation_cuts": sorted(self.restored_cuts)}
+
+
+def _continuation(call: ModelCall, ack: dict[str, Any]) -> dict[str, Any]:
+    """What a replacement call sends the backend to continue ``call``'s cut (the reference's field names)."""
+    return {
+        "schema_version": 2,
+        "source_capture_key": call.key,
+        "source_model_call_id": call.call_id,
+        "staging_keys": list(ack.get("staging_keys") or []),
+        "prefix_token_count": ack.get("prefix_token_count"),
+        "prefix_digest": ack.get("prefix_digest"),
+        "effective_output_limit": ack.get("effective_output_limit"),
+        "terminal_finish_reason": ack.get("terminal_finish_reason"),
+        "terminal_stop_reason": ack.get("terminal_stop_reason"),
+    }
+
+
+def _is_cut(cut: object) -> bool:
+    if not isinstance(cut, dict) or not isinstance(cut.get("request_digest"), str):
+        return False
+    continuation = cut.get("continuation")
+    return (
+        isinstance(continuation, dict)
+        and isinstance(continuation.get("staging_keys"), list)
+        and bool(continuation["staging_keys"])
+        and type(continuation.get("prefix_token_count")) is int
+    )
+
+
+def staging_keys_of(record: dict[str, Any]) -> list[str]:
+    """The staged token-store keys a model record refers to: its rows' and its cut's, sorted."""
+    keys = {row["staging_key"] for row in record.get("rows", []) if isinstance(row.get("staging_key"), str)}
+    for cut in record.get("generation_cuts", []):
+        keys.update(str(key) for key in cut.get("continuation", {}).get("staging_keys", []))
+    return sorted(keys)

@@ -38,6 +38,7 @@ from gymckpt.errors import DownstreamError, InferenceFailed, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
 from gymckpt.servers.base import Downstream, ServerConfig, build_app
+from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -49,7 +50,9 @@ __all__ = [
     "ModelServerConfig",
     "ResponsesRequest",
     "build_model_app",
+    "GenerationCutClient",
     "canonical_prompt",
+    "constrained_decoding",
     "policy_reply",
     "sse_events",
     "tool_results",
@@ -57,7 +60,7 @@ __all__ = [
 
 
 class ModelServerConfig(ServerConfig):
-    """The policy model server's config."""
+    """The policy model server's config (``checkpoint_policy: false`` for a judge or other auxiliary model)."""
 
     #: base URL of the inference backend
     inference_url: str
@@ -67,6 +70,11 @@ class ModelServerConfig(ServerConfig):
     max_tokens: int = Field(default=8, ge=1)
     #: the participant's instance name
     instance: str = "model-0"
+    #: whether this server is the policy model, the one checkpoint participant among the model
+    #: servers; an auxiliary model (a judge) keeps serving through checkpoints and has no control routes
+    checkpoint_policy: bool = True
+    #: whether prepare asks the inference backend to cut undelivered generations at a durable prefix
+    generation_cuts: bool = True
 
 
 class ResponsesRequest(BaseModel):
@@ -85,6 +93,40 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         return self.input
+
+
+#: request fields that constrain decoding when set (a call with one is never cut)
+_CONSTRAINING_FIELDS = (
+    "guided_choice",
+    "guided_grammar",
+    "guided_json",
+    "guided_regex",
+    "guided_whitespace_pattern",
+    "structural_tag",
+    "structured_outputs",
+)
+
+
+def constrained_decoding(request: BaseModel) -> str | None:
+    """Why ``request``'s decoding is constrained (so it is never cut), or None.
+
+    A ``tool_choice`` other than ``auto``/``none``, a ``response_format`` other than text,
+    or any guided or structured-output field.
+    """
+    fields = {**(request.model_extra or {}), **request.model_dump(exclude_unset=True)}
+    choice = fields.get("tool_choice")
+    if choice is not None and choice not in ("auto", "none"):
+        return f"tool_choice:{choice}" if isinstance(choice, str) else "tool_choice:constrained"
+    response_format = fields.get("response_format")
+    if response_format is not None and not (
+        isinstance(response_format, dict) and response_format.get("type") == "text"
+    ):
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        return f"response_format:{kind if isinstance(kind, str) else 'unknown'}"
+    for name in _CONSTRAINING_FIELDS:
+        if fields.get(name) is not None:
+            return name
+    return None
 
 
 def canonical_prompt(items: list[dict[str, Any]]) -> str:
@@ -179,10 +221,17 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: list[bytes], participant: ModelParticipant | None, call: ModelCall | None) -> None:
+    def __init__(
+        self,
+        events: list[bytes],
+        participant: ModelParticipant | None,
+        call: ModelCall | None,
+        row: dict[str, Any] | None = None,
+    ) -> None:
         self.events = events
         self.participant = participant
         self.call = call
+        self.row = row
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache"})
@@ -203,6 +252,8 @@ class _EventStream(Response):
                     break  # retired mid-stream: end it without the completed event
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if participant is not None and call is not None and not call.retired and self.row is not None:
+                participant.delivered(call, self.row)
         finally:
             if participant is not None and call is not None:
                 participant.finish(call)
@@ -213,14 +264,18 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
 
     ``app.state`` holds ``participant`` and ``plane`` (None when off) for tests and tools.
     """
-    participant = ModelParticipant(config.instance) if config.checkpoint.enabled else None
+    policy = config.checkpoint.enabled and config.checkpoint_policy
+    participant = ModelParticipant(config.instance) if policy else None
     # inference is not a Gym server: never add a rollout prefix to its calls
     inference = Downstream(checkpointing=False, connector_limit=config.data_connector_limit)
-    app, plane, _ = build_app("gymckpt model", config, participant, on_shutdown=[inference.close])
+    cutter = GenerationCutClient(config.inference_url, config.checkpoint.token, server_name=config.instance)
+    app, plane, _ = build_app("gymckpt model", config, participant, on_shutdown=[inference.close, cutter.close])
     app.state.participant = participant
     app.state.plane = plane
+    if participant is not None and config.generation_cuts:
+        participant.cut_source = cutter.cut
 
-    async def generate(request: ResponsesRequest, episode: EpisodeId | None) -> list[int]:
+    def generate_body(request: ResponsesRequest, episode: EpisodeId | None) -> dict[str, Any]:
         items = request.items()
         prompt = canonical_prompt(items)
         if episode is not None:
@@ -228,35 +283,102 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         else:
             named = request.metadata.get("rollout_id")
             rollout = named if isinstance(named, str) else "anonymous"
-        body = {
+        return {
             "call_id": f"{rollout}:{tool_results(items)}",
             "prompt": prompt,
             "seed": int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16),
             "max_tokens": config.max_tokens,
         }
+
+    async def generate(body: dict[str, Any], call: ModelCall | None) -> dict[str, Any]:
+        continuation = participant.continuation_for(call) if participant is not None and call is not None else None
+        if continuation is not None:
+            body = {**body, "ng_capture": {"generation_cut": continuation}}
         reply, _ = await inference.post(config.inference_url, "/generate", body, episode=None)
-        return [int(token) for token in reply["tokens"]]
+        return reply
 
     @app.post("/v1/responses")
     async def responses(request: ResponsesRequest) -> Response:
         episode = current_episode()
-        call = participant.admit(episode, stream=request.stream) if participant is not None else None
+        body = generate_body(request, episode)
+        call = None
+        if participant is not None:
+            call = participant.admit(
+                episode,
+                stream=request.stream,
+                call_id=body["call_id"],
+                request_digest=hashlib.sha256(body["prompt"].encode()).hexdigest(),
+                constrained=constrained_decoding(request),
+            )
         handed_over = False
         try:
             try:
                 if participant is not None and call is not None:
-                    tokens = await participant.respond(call, lambda: generate(request, episode))
+                    generated = await participant.respond(call, lambda: generate(body, call))
                 else:
-                    tokens = await generate(request, episode)
+                    generated = await generate(body, None)
             except (DownstreamError, aiohttp.ClientError) as exc:
                 return error_response(InferenceFailed(f"the inference backend failed: {exc}"))
+            tokens = [int(token) for token in generated["tokens"]]
+            row = {
+                "model_call_id": body["call_id"],
+                "request_digest": call.request_digest if call is not None else "",
+                "staging_key": generated.get("staging_key"),
+                "tokens": len(tokens),
+            }
             reply = policy_reply(request, tokens, tool_turns=config.tool_turns)
             if request.stream:
                 handed_over = True
-                return _EventStream(sse_events(reply, tokens), participant, call)
+                return _EventStream(sse_events(reply, tokens), participant, call, row)
+            if participant is not None and call is not None:
+                participant.delivered(call, row)
             return JSONResponse(reply)
         finally:
             if participant is not None and call is not None and not handed_over:
                 participant.finish(call)
 
     return app
+
+
+class GenerationCutClient:
+    """Asks the inference backend to cut undelivered generations (``POST /ng-control/v1/generation-cut``).
+
+    On a connection pool of its own, so a cut is never queued behind the very generations it
+    cuts. The receipt is checked: the inventory echoed and every ticket acknowledged once.
+    """
+
+    def __init__(self, inference_url: str, token: str, *, server_name: str) -> None:
+        self.url = inference_url.rstrip("/") + GENERATION_CUT_ROUTE
+        self.token = token
+        self.server_name = server_name
+        self._session: aiohttp.ClientSession | None = None
+
+    async def cut(self, checkpoint_id: str, prefixes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """``{ticket_id: ack}`` for ``prefixes``; raises when the backend fails or its receipt does not match."""
+        ordered = sorted(prefixes, key=lambda prefix: prefix["ticket_id"])
+        body = {
+            "checkpoint_id": checkpoint_id,
+            "server_name": self.server_name,
+            "active_prefixes": ordered,
+            "inventory_digest": inventory_digest(checkpoint_id, self.server_name, ordered),
+        }
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        async with self._session.post(self.url, json=body, headers=headers) as response:
+            raw = await response.read()
+            if response.status >= 400:
+                raise DownstreamError.answered(self.url, response.status, raw)
+        receipt = json.loads(raw)
+        if not isinstance(receipt, dict) or receipt.get("inventory_digest") != body["inventory_digest"]:
+            raise DownstreamError(f"{self.url} answered a receipt for another inventory")
+        acks = receipt.get("prefixes")
+        tickets = [ack.get("ticket_id") for ack in acks] if isinstance(acks, list) else None
+        if tickets is None or sorted(tickets) != [prefix["ticket_id"] for prefix in ordered]:
+            raise DownstreamError(f"{self.url} did not acknowledge every ticket exactly once")
+        return {ack["ticket_id"]: ack for ack in acks}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

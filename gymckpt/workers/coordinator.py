@@ -143,7 +143,7 @@ class CoordinatedParticipant(Participant):
 
     # --- workers (called by WorkerServer)
 
-    def note_deadline(self, deadline_ts: float) -> None:
+    def note_deadline(self, deadline_ts: float | None) -> None:
         """The deadline of the control call about to run: it bounds the waits of the messages it sends."""
         self._deadline_ts = deadline_ts
 

@@ -292,6 +292,8 @@ class WorkerLink:
             self._poller = asyncio.create_task(self._poll(), name="gymckpt-report-poll")
 
     async def _on_close(self, body: object) -> dict[str, Any]:
+        deadline_ts = body.get("deadline_ts") if isinstance(body, dict) else None
+        self.participant.note_deadline(deadline_ts if isinstance(deadline_ts, (int, float)) else None)
         async with self._admission:
             await self._close_locally(_field(body, "checkpoint_id", str), _field(body, "generation", int))
             return self._numbered(local_report(self.participant))

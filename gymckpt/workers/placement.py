@@ -64,7 +64,9 @@ WHOLE_EPISODE: dict[str, Callable[[dict[str, Any]], bool]] = {
     "environment": _every_record,
     "agent": _run_record,
     "resources": _no_record,
-    "model": _every_record,
+    # a model record is the capture ledger of one episode: placed like a session, and its calls
+    # routed to the worker that holds it
+    "model": _no_record,
 }
 
 

@@ -68,8 +68,9 @@ ENV_RUNTIME = "GYMCKPT_WORKER_RUNTIME"
 ENV_WORKERS = "GYMCKPT_WORKERS"
 #: the routing secret's file in the runtime directory (0600, hex)
 SECRET_FILE = "routing-secret"
-#: participant kinds whose sessions span requests: their replies stamp the session's owner
-ROUTED_KINDS = frozenset({"resources", "agent"})
+#: participant kinds whose state spans requests (sessions, a model's capture ledger): their replies
+#: stamp the owner, so an episode's later calls reach the worker that holds its state
+ROUTED_KINDS = frozenset({"resources", "agent", "model"})
 
 
 def write_routing_secret(runtime: Path, token: str | None, server: str) -> Path:

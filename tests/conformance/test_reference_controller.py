@@ -105,8 +105,10 @@ def assert_commit(member: Member, reply: CommitReply, checkpoint_id: str, target
     assert extra["manifest_path"] == f"gym/{member.kind}/{member.instance}/manifest.json", extra
     assert extra["records_file"] == manifest.records_file and extra["record_count"] == manifest.record_count, extra
     assert isinstance(extra["manifest_sha256"], str) and isinstance(extra["records_bytes"], int), extra
-    if member.kind == "model":
-        assert extra["staging_keys"] == [], extra
+    if member.kind == "model":  # every staged key the model's records refer to, and only those
+        by_episode = extra["staging_keys_by_episode"]
+        assert sorted(by_episode) == sorted(reply.episode_ids), extra
+        assert extra["staging_keys"] == sorted({key for keys in by_episode.values() for key in keys}), extra
 
 
 def read_records(target: Path, commits: dict[str, CommitReply]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -21,8 +21,8 @@ FIELDS: dict[str, dict[str, Any]] = {
     "environment": {"agent_url": "http://127.0.0.1:9", "resources_url": "http://127.0.0.1:9"},
 }
 #: work routes of each kind that refuse a request without a rollout while checkpointing is on
+#: work that needs a rollout with checkpointing on (the policy model admits calls without one: P4)
 WORK = {
-    "model": ("/v1/responses", {"input": "hi"}),
     "agent": ("/v1/responses", {"input": "hi"}),
     "counter": ("/increment", {"n": 1}),
     "weather": ("/get_weather", {"city": "Oslo"}),

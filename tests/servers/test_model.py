@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.errors import InvalidCheckpointState
+from gymckpt.errors import ControlError, InvalidCheckpointState
 from gymckpt.identity import EpisodeId
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.servers.inference import generate_tokens
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 TOOLS = [{"type": "function", "name": "increment"}, {"type": "function", "name": "other"}]
 QUESTION = [{"role": "user", "content": "count to three"}]
 REQUEST: dict[str, Any] = {"model": "policy", "input": QUESTION, "tools": TOOLS}
+#: the counts of a model participant with no call
+IDLE = {"waiting": 0, "in_flight": 0, "held": 0, "streaming": 0, "cut": 0, "cut_failed": 0, "cut_skipped": 0}
 
 
 def _expected_tokens(items: list[dict[str, Any]], max_tokens: int = 8) -> list[int]:
@@ -132,7 +134,8 @@ def test_a_generation_in_flight_is_held_until_resume_and_does_not_block(tmp_path
             assert not call.done()
             assert participant.ready()
             status = (await model.client.get(f"{CONTROL_PREFIX}/status", headers=_auth())).json()
-            assert status["report"]["counts"] == {"waiting": 0, "in_flight": 0, "held": 1, "streaming": 0}
+            # held, and its cut failed: the gate kept the generation from the backend, which cannot cut what it never saw
+            assert status["report"]["counts"] == {**IDLE, "held": 1, "cut_failed": 1}
 
             committed = await model.control(
                 "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ckpt"), episode_ids=["r"]
@@ -147,7 +150,7 @@ def test_a_generation_in_flight_is_held_until_resume_and_does_not_block(tmp_path
             response = await bounded(call)
             assert response.status_code == 200
             assert response.json() == expected
-            assert participant.counts() == {"waiting": 0, "in_flight": 0, "held": 0, "streaming": 0}
+            assert participant.counts() == IDLE
 
     run(main)
 
@@ -270,13 +273,13 @@ def test_retire_stops_a_call_in_flight_and_refuses_the_attempt_until_forgotten()
             forgot = await model.control("forget", checkpoint_id="fgt-1", rollout_ids=["r"])
             assert forgot.json() == {"forgotten_count": 1, "forgotten": ["r"]}
             assert (await model.respond("r", REQUEST)).status_code == 200
-            assert participant.counts() == {"waiting": 0, "in_flight": 0, "held": 0, "streaming": 0}
+            assert participant.counts() == IDLE
 
     run(main)
 
 
-def test_retire_cancels_and_frees_held_and_waiting_calls(tmp_path: Path) -> None:
-    """A restore closes admission and allows retire: held and waiting calls of the attempt end."""
+def test_retire_cancels_and_frees_waiting_calls_of_a_restore(tmp_path: Path) -> None:
+    """A restore (on a fresh server) closes admission and allows retire: the waiting calls of the attempt end."""
 
     async def main() -> None:
         ckpt = str(tmp_path / "ckpt")
@@ -288,44 +291,63 @@ def test_retire_cancels_and_frees_held_and_waiting_calls(tmp_path: Path) -> None
                 await source.control("resume", checkpoint_id="c0")
 
             async with model_server(inference.url) as model:
-                participant, gate = model.participant, inference.gate
-                gate.close()
-                held = asyncio.create_task(model.respond("h", REQUEST))
-                await gate.until(lambda g: g.arrivals == 1)
+                participant = model.participant
                 restored = await model.control("restore", checkpoint_id="c0", checkpoint_dir=ckpt, episode_ids=["x"])
                 assert restored.status_code == 200, restored.text
-                assert restored.json()["restored"] == []  # the model exports no records: it installed none
-                gate.open()
-                await participant.wait_until(lambda: participant.counts()["held"] == 1, TIMEOUT)
+                assert restored.json()["restored"] == []  # no call was delivered or cut: no records
+                earlier = asyncio.create_task(model.respond("h", REQUEST))
                 waiting = asyncio.create_task(model.respond("h-a1", REQUEST))
                 survivor = asyncio.create_task(model.respond("x-a1", REQUEST))
-                await participant.wait_until(lambda: participant.counts()["waiting"] == 2, TIMEOUT)
+                await participant.wait_until(lambda: participant.counts()["waiting"] == 3, TIMEOUT)
 
                 retired = await model.control("retire", checkpoint_id="c0", episode_ids=["h-a1"])
                 assert retired.json()["retired_count"] == 1
-                for task in (held, waiting):
+                for task in (earlier, waiting):
                     response = await bounded(task)
                     assert (response.status_code, error_code(response)) == (409, "stale_attempt")
                 assert participant.calls_of("h") == participant.calls_of("h-a1") == []
-                assert participant.counts() == {"waiting": 1, "in_flight": 0, "held": 0, "streaming": 0}
+                assert participant.counts() == {**IDLE, "waiting": 1}
                 later = await model.respond("h-a1", REQUEST)
                 assert (later.status_code, error_code(later)) == (409, "stale_attempt")
 
                 assert (await model.control("resume", checkpoint_id="c0")).status_code == 200
                 assert (await bounded(survivor)).status_code == 200
-                assert participant.counts() == {"waiting": 0, "in_flight": 0, "held": 0, "streaming": 0}
+                assert participant.counts() == IDLE
 
     run(main)
 
 
-def test_a_call_without_a_rollout_prefix_is_refused_with_checkpointing_on() -> None:
+def test_a_restore_on_a_model_server_that_has_served_calls_is_refused(tmp_path: Path) -> None:
+    async def main() -> None:
+        ckpt = str(tmp_path / "ckpt")
+        async with inference_server() as inference:
+            async with model_server(inference.url) as source:
+                assert (await source.control("prepare", checkpoint_id="c0")).status_code == 200
+                await source.control("commit", checkpoint_id="c0", checkpoint_dir=ckpt, episode_ids=["x"])
+                await source.control("resume", checkpoint_id="c0")
+            async with model_server(inference.url) as model:
+                assert (await model.respond("served", REQUEST)).status_code == 200
+                refused = await model.control("restore", checkpoint_id="c0", checkpoint_dir=ckpt, episode_ids=["x"])
+                assert (refused.status_code, error_code(refused)) == (409, "checkpoint_error")
+                assert "freshly started" in refused.text
+                assert model.participant.ledger == {"served": [model.participant.ledger["served"][0]]}
+
+    run(main)
+
+
+def test_a_call_without_a_rollout_prefix_is_admitted_and_never_exported(tmp_path: Path) -> None:
+    """An evaluation or probe call on the policy server: answered, but belongs to no episode."""
+
     async def main() -> None:
         async with inference_server() as inference, model_server(inference.url) as model:
             response = await model.respond(None, REQUEST)
-            assert response.status_code == 400
-            assert error_code(response) == "rollout_id_required"
-            assert model.participant.counts() == {"waiting": 0, "in_flight": 0, "held": 0, "streaming": 0}
-            assert inference.gate.arrivals == 0
+            assert response.status_code == 200, response.text
+            assert model.participant.counts() == IDLE
+            assert model.participant.ledger == {}
+            assert (await model.control("prepare", checkpoint_id="c1")).json()["phase"] == "prepared"
+            committed = await model.control("commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ck"))
+            assert committed.json()["record_count"] == 0
+            assert committed.json()["staging_keys"] == []
 
     run(main)
 
@@ -363,14 +385,33 @@ def test_an_unreachable_backend_is_a_502() -> None:
     run(main)
 
 
-def test_the_participant_exports_nothing_and_installs_only_nothing() -> None:
+def test_the_participant_exports_its_ledger_and_installs_records_only_when_fresh() -> None:
     async def main() -> None:
         participant = ModelParticipant("model-7")
         assert participant.kind == "model"
         assert await participant.export(["a", "b"]) == []
-        await participant.install([], ["a-a1"], None)
-        with pytest.raises(InvalidCheckpointState, match="a-a1"):
-            await participant.install([{"episode_id": "a-a1"}], ["a-a1"], None)
+        row = {"model_call_id": "a-a1:0", "request_digest": "d", "staging_key": "__calls__/a-a1:0", "tokens": 8}
+        cut = {
+            "model_call_id": "a-a1:1",
+            "request_digest": "e",
+            "continuation": {"staging_keys": ["__generation_cut__/a/a-a1:1"], "prefix_token_count": 3},
+        }
+        await participant.install([{"episode_id": "a-a1", "rows": [row], "generation_cuts": [cut]}], ["a-a1"], None)
+        assert participant.ledger == {"a-a1": [row]}
+        assert participant.status_extra() == {"restored_generation_cuts": ["a-a1"]}
+        exported = await participant.export(["a-a1", "b-a1"])
+        assert exported == [{"episode_id": "a-a1", "rows": [row], "generation_cuts": [cut]}]
+        assert participant.commit_reply_extra() == {
+            "staging_keys": ["__calls__/a-a1:0", "__generation_cut__/a/a-a1:1"],
+            "staging_keys_by_episode": {"a-a1": ["__calls__/a-a1:0", "__generation_cut__/a/a-a1:1"]},
+        }
+        with pytest.raises(InvalidCheckpointState, match="more than one"):
+            await participant.install([{"episode_id": "b-a1", "generation_cuts": [cut, cut]}], ["b-a1"], None)
+        with pytest.raises(InvalidCheckpointState, match="malformed"):
+            await participant.install([{"episode_id": "b-a1", "generation_cuts": [{"x": 1}]}], ["b-a1"], None)
+        participant.admit(None)  # any call makes it a server that has served
+        with pytest.raises(ControlError, match="freshly started"):
+            await participant.install([], ["c-a1"], None)
         assert participant.restarts() == []
 
     run(main)

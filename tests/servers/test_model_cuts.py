@@ -1,0 +1,157 @@
+"""Generation cuts and the capture ledger, through a model server and the real fake backend.
+
+The backend runs under uvicorn in the test's loop (a small token delay); ``backend.pause()``
+holds every generation before its next token, so a call stays exactly mid-way while a
+checkpoint cuts it. "A crash" is the first model server's app closing with the call
+unanswered; the restore runs on a fresh model server against the same backend (it
+survives, as in the e2e suite), and the replacement call must give the uncut reply while
+the backend generates only the tokens after the cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from gymckpt.servers.inference import InferenceConfig, build_inference_app, cut_staging_key
+from gymckpt.testing.net import serve_in_loop
+from gymckpt.testing.time import bounded
+
+from .model_support import TIMEOUT, model_server, run
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+    from gymckpt.servers.inference import InferenceBackend
+
+MAX_TOKENS = 40
+QUESTION = [{"role": "user", "content": "How far?"}]
+REQUEST: dict[str, Any] = {"model": "policy", "input": QUESTION}
+
+
+@asynccontextmanager
+async def backend(*, token: str | None = None) -> AsyncIterator[tuple[str, InferenceBackend]]:
+    config = InferenceConfig(
+        token_delay_seconds=0.002,
+        checkpoint={"enabled": False, "control_auth_token": token} if token else {"enabled": False},
+    )
+    app = build_inference_app(config)
+    async with serve_in_loop(app) as url:
+        try:
+            yield url, app.state.backend
+        finally:
+            app.state.backend.resume()
+
+
+async def _mid_way(inference: InferenceBackend, call_id: str, tokens: int) -> int:
+    """Pause the backend once ``call_id`` has at least ``tokens`` tokens; the prefix it holds then."""
+    await inference.wait_until(lambda: (inference.progress(call_id) or 0) >= tokens, TIMEOUT)
+    inference.pause()
+    progress = inference.progress(call_id)
+    assert progress is not None and progress < MAX_TOKENS
+    return progress
+
+
+def test_a_cut_generation_continues_on_a_fresh_server_with_the_uncut_tokens(tmp_path: Path) -> None:
+    async def main() -> None:
+        ckpt = str(tmp_path / "ck")
+        async with backend() as (url, inference):
+            async with model_server(url, max_tokens=MAX_TOKENS) as reference:
+                uncut = (await reference.respond("ref", REQUEST)).json()
+            async with model_server(url, max_tokens=MAX_TOKENS) as model:
+                call = asyncio.create_task(model.respond("r", REQUEST))
+                prefix = await _mid_way(inference, "r:0", 5)
+                prepared = (await model.control("prepare", checkpoint_id="c1")).json()
+                assert prepared["phase"] == "prepared"
+                assert prepared["report"]["counts"]["cut"] == 1
+                assert prepared["report"]["counts"]["cut_failed"] == 0
+                committed = (
+                    await model.control("commit", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+                ).json()
+                key = cut_staging_key("r", "r:0")
+                assert committed["record_count"] == 1
+                assert committed["staging_keys"] == [key]
+                assert committed["staging_keys_by_episode"] == {"r": [key]}
+                call.cancel()  # the crash: nobody will read this reply
+                await asyncio.gather(call, return_exceptions=True)
+            inference.resume()  # the backend survives; the abandoned generation goes on or stops
+            async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
+                restored = await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+                assert restored.json()["restored"] == ["r-a1"], restored.text
+                status = (await fresh.control("resume", checkpoint_id="c1")).json()
+                assert status["phase"] == "idle"
+                continued = await bounded(fresh.respond("r-a1", REQUEST))
+                assert continued.status_code == 200, continued.text
+                assert continued.json() == uncut
+                (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
+                assert (logged["continued_from"], logged["generated"]) == (prefix, MAX_TOKENS - prefix)
+                assert logged["tokens"] == next(e for e in inference.calls if e["call_id"] == "ref:0")["tokens"]
+                assert fresh.participant.restored_cuts == {}  # used up once delivered
+                assert [row["model_call_id"] for row in fresh.participant.ledger["r-a1"]] == ["r-a1:0"]
+
+    run(main)
+
+
+def test_a_constrained_call_is_never_cut(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with backend() as (url, inference), model_server(url, max_tokens=MAX_TOKENS) as model:
+            tools = [{"type": "function", "name": "add"}]
+            call = asyncio.create_task(model.respond("r", {**REQUEST, "tools": tools, "tool_choice": "required"}))
+            await _mid_way(inference, "r:0", 3)
+            prepared = (await model.control("prepare", checkpoint_id="c1")).json()
+            counts = prepared["report"]["counts"]
+            assert (counts["cut"], counts["cut_skipped"], counts["cut_failed"]) == (0, 1, 0)
+            committed = await model.control(
+                "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r"]
+            )
+            assert committed.json()["record_count"] == 0
+            assert not any(key.startswith("__generation_cut__") for key in inference.staged)
+            inference.resume()
+            assert (await model.control("resume", checkpoint_id="c1")).status_code == 200
+            assert (await bounded(call)).status_code == 200
+
+    run(main)
+
+
+def test_a_cut_that_fails_leaves_the_call_held_and_the_checkpoint_valid(tmp_path: Path) -> None:
+    async def main() -> None:
+        # the backend wants another token: its cut route answers 401, so the cut fails
+        async with backend(token="another") as (url, inference), model_server(url, max_tokens=MAX_TOKENS) as model:
+            call = asyncio.create_task(model.respond("r", REQUEST))
+            await _mid_way(inference, "r:0", 3)
+            prepared = (await model.control("prepare", checkpoint_id="c1")).json()
+            assert prepared["phase"] == "prepared" and prepared["report"]["ready"] is True
+            assert prepared["report"]["counts"]["cut_failed"] == 1
+            committed = await model.control(
+                "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r"]
+            )
+            assert committed.status_code == 200 and committed.json()["record_count"] == 0
+            inference.resume()
+            await model.participant.wait_until(lambda: model.participant.counts()["held"] == 1, TIMEOUT)
+            assert not call.done()  # held until resume, as without cuts
+            assert (await model.control("resume", checkpoint_id="c1")).status_code == 200
+            assert (await bounded(call)).status_code == 200
+
+    run(main)
+
+
+def test_the_ledger_keeps_delivered_calls_and_lists_their_staging_keys(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with backend() as (url, _), model_server(url, max_tokens=4) as model:
+            for _ in range(2):
+                assert (await model.respond("r", REQUEST)).status_code == 200
+            assert (await model.respond("other", REQUEST)).status_code == 200
+            assert (await model.control("prepare", checkpoint_id="c1")).json()["phase"] == "prepared"
+            committed = (
+                await model.control(
+                    "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r"]
+                )
+            ).json()
+            # one episode in scope: its rows (the same call id twice: one staged key), none of "other"
+            assert committed["record_count"] == 1
+            assert committed["staging_keys"] == ["__calls__/r:0"]
+            assert committed["staging_keys_by_episode"] == {"r": ["__calls__/r:0"]}
+
+    run(main)
