@@ -67,6 +67,10 @@ def test_demo_checkpoints_kills_restores_and_continues(tmp_path: Path) -> None:
     assert outcome.prepare_seconds > 0 and outcome.commit_seconds > 0 and outcome.restore_seconds > 0
     assert outcome.bytes_written > 0
     assert outcome.records_by_participant["environment/environment"] == len(outcome.exported)
+    # generation cuts: no held call generated again from its first token, almost no token generated twice
+    assert outcome.held_from_first_token == 0
+    assert outcome.tokens_generated_again <= 0.05 * outcome.tokens_in_flight
+    assert outcome.tokens_kept_by_cuts <= outcome.tokens_in_flight
     # two workers per Gym server before the crash, three after: the restore landed on another count
     gym = ("model", "resources", "agent", "environment")
     assert outcome.workers_before == dict.fromkeys(gym, 2)
@@ -82,6 +86,9 @@ def test_demo_checkpoints_kills_restores_and_continues(tmp_path: Path) -> None:
     assert table_value(text, "bytes written") == f"{outcome.bytes_written:,}"
     assert table_value(text, "verify") == "OK"
     assert re.search(r"│ workers per Gym server\s*│\s*2 → 3\s*│", text), text
+    assert table_value(text, "held calls from token 0") == "0"
+    assert table_value(text, "tokens kept by cuts") == f"{outcome.tokens_kept_by_cuts:,}"
+    assert table_value(text, "tokens generated again") == f"{outcome.tokens_generated_again:,}"
     assert f"check it yourself: gymckpt verify {outcome.checkpoint_dir}" in text
     for phase in ("uninterrupted run", "checkpoint", "SIGKILL", "restored", "continued", "verify"):
         assert phase in lines.getvalue()
@@ -218,3 +225,24 @@ def test_store_s3_without_moto_names_the_extra(monkeypatch: pytest.MonkeyPatch, 
     assert line.endswith("pip install 'gymckpt[demo-s3]'")
     assert "Traceback" not in result.output
     assert result.stdout == ""  # nothing started: no table
+
+
+def test_generation_tokens_counts_what_cuts_kept_and_what_was_generated_again() -> None:
+    from gymckpt.demo.measure import generation_tokens
+
+    before = [
+        {"call_id": "a-0:0", "tokens": [1] * 8},  # delivered before the checkpoint
+        {"call_id": "a-0:1", "tokens": [1] * 8},  # completed, held: never delivered
+    ]
+    after = [
+        *before,
+        {"call_id": "a-0-a1:1", "tokens": [1] * 8, "generated": 0, "continued_from": 8},  # kept whole
+        {"call_id": "b-0-a1:0", "tokens": [1] * 8, "generated": 5, "continued_from": 3},  # cut mid-way
+        {"call_id": "c-0-a1:0", "tokens": [1] * 8, "generated": 8, "continued_from": 0},  # a new turn
+        {"call_id": "z-0-a1:0", "tokens": [1] * 8, "generated": 8, "continued_from": 0},  # not exported
+    ]
+    tokens = generation_tokens(before, after, ["a-0", "b-0", "c-0"])
+    assert (tokens.in_flight, tokens.kept, tokens.generated_again, tokens.from_first_token) == (16, 11, 0, 0)
+    redone = [*before, {"call_id": "a-0-a1:1", "tokens": [1] * 8, "generated": 8, "continued_from": 0}]
+    again = generation_tokens(before, redone, ["a-0"])
+    assert (again.in_flight, again.kept, again.generated_again, again.from_first_token) == (8, 0, 8, 1)

@@ -34,7 +34,7 @@ import aiohttp
 from rich.markup import escape
 
 from gymckpt.control.coordination import runs_to_await
-from gymckpt.demo.measure import redone_model_calls, stages_at_checkpoint
+from gymckpt.demo.measure import generation_tokens, redone_model_calls, stages_at_checkpoint
 from gymckpt.demo.report import (
     EXIT_DIFFERS,
     EXIT_OK,
@@ -225,6 +225,9 @@ class _Demo:
         outcome.model_calls_before_crash, outcome.model_calls_redone = redone_model_calls(
             calls_before, calls_after, exported
         )
+        tokens = generation_tokens(calls_before, calls_after, exported)
+        outcome.tokens_in_flight, outcome.tokens_kept_by_cuts = tokens.in_flight, tokens.kept
+        outcome.tokens_generated_again, outcome.held_from_first_token = tokens.generated_again, tokens.from_first_token
 
         outcome.lost, outcome.differing = compare_results(reference, finals)
         outcome.mean_reward = mean_reward(finals.values())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.demo.report import count_stages, stage_label
@@ -11,7 +12,7 @@ from gymckpt.store import open_store
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["redone_model_calls", "stages_at_checkpoint"]
+__all__ = ["GenerationTokens", "generation_tokens", "redone_model_calls", "stages_at_checkpoint"]
 
 
 def redone_model_calls(
@@ -36,6 +37,56 @@ def redone_model_calls(
     completed = sum(1 for call in before if turn(call) is not None)
     redone = sum(1 for call in after[len(before) :] if turn(call) in earlier)
     return completed, redone
+
+
+@dataclass(frozen=True)
+class GenerationTokens:
+    """What the calls after a restore did with the generations in flight at the checkpoint (tokens)."""
+
+    #: tokens of the calls that replaced a generation in flight at the checkpoint
+    in_flight: int = 0
+    #: of those, tokens a cut had kept (the backend continued after them)
+    kept: int = 0
+    #: tokens generated a second time: the replacement of a generation that had completed before the crash
+    generated_again: int = 0
+    #: replacements of a generation completed before the crash that started again from its first token
+    from_first_token: int = 0
+
+
+def _turn(call: dict[str, Any], wanted: set[str]) -> tuple[str, str] | None:
+    key, _, count = str(call.get("call_id", "")).rpartition(":")
+    if not key:
+        return None
+    rollout, _ = split_capture_key(key)
+    return (rollout, count) if rollout in wanted else None
+
+
+def generation_tokens(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], exported: Iterable[str]
+) -> GenerationTokens:
+    """Tokens kept by cuts and generated again, from the backend's log (``continued_from``, ``generated``).
+
+    A call after the restore replaced a generation in flight at the checkpoint when it
+    continued a cut (``continued_from`` > 0), or when its turn had completed before the crash
+    (a held response, never delivered). Its ``generated`` tokens of such a completed turn
+    were generated a second time.
+    """
+    wanted = set(exported)
+    earlier = {turn for call in before if (turn := _turn(call, wanted)) is not None}
+    in_flight = kept = again = first = 0
+    for call in after[len(before) :]:
+        turn = _turn(call, wanted)
+        if turn is None:
+            continue
+        continued = int(call.get("continued_from") or 0)
+        if continued == 0 and turn not in earlier:
+            continue  # a turn the rollout had not reached: a new call, not a replacement
+        in_flight += len(call.get("tokens") or [])
+        kept += continued
+        if turn in earlier:
+            again += int(call.get("generated", len(call.get("tokens") or [])) or 0)
+            first += continued == 0
+    return GenerationTokens(in_flight=in_flight, kept=kept, generated_again=again, from_first_token=first)
 
 
 def stages_at_checkpoint(checkpoint_dir: str, storage_options: dict[str, Any], exported: list[str]) -> dict[str, int]:

@@ -82,6 +82,12 @@ class DemoOutcome:
     stages: dict[str, int] = field(default_factory=dict)
     model_calls_before_crash: int = 0
     model_calls_redone: int = 0
+    #: tokens of the generations in flight at the checkpoint, kept by cuts, generated again
+    tokens_in_flight: int = 0
+    tokens_kept_by_cuts: int = 0
+    tokens_generated_again: int = 0
+    #: held generations started again from their first token after the restore
+    held_from_first_token: int = 0
     #: uvicorn workers of each Gym server (name → count) before the crash and after the restore
     workers_before: dict[str, int] = field(default_factory=dict)
     workers_after: dict[str, int] = field(default_factory=dict)
@@ -174,6 +180,11 @@ def _reward(value: float | None) -> str:
     return "–" if value is None else f"{value:.3f}"
 
 
+def _share(part: int, whole: int) -> str:
+    """``part`` as a share of ``whole`` (the tokens in flight at the checkpoint)."""
+    return f"{100 * part / whole:.1f}% of the tokens in flight" if whole else "nothing was in flight"
+
+
 def _counts(workers: dict[str, int]) -> str:
     """One number when every server has it, else ``name n`` pairs (``–`` when not reached)."""
     values = set(workers.values())
@@ -225,7 +236,22 @@ def render(outcome: DemoOutcome, console: Console) -> None:
     table.add_row(
         "model calls redone",
         str(outcome.model_calls_redone),
-        f"of {outcome.model_calls_before_crash}: held, undelivered",
+        f"of {outcome.model_calls_before_crash}: held, undelivered, each continued from its cut",
+    )
+    table.add_row(
+        "held calls from token 0",
+        _bad(outcome.held_from_first_token),
+        "held generations started over after the restore",
+    )
+    table.add_row(
+        "tokens kept by cuts",
+        f"{outcome.tokens_kept_by_cuts:,}",
+        f"of {outcome.tokens_in_flight:,} in flight at the checkpoint",
+    )
+    table.add_row(
+        "tokens generated again",
+        f"{outcome.tokens_generated_again:,}",
+        _share(outcome.tokens_generated_again, outcome.tokens_in_flight),
     )
     report = outcome.verify_report
     if report is None:

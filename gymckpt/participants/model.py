@@ -12,7 +12,9 @@ Every ``/v1/responses`` call is tracked under its capture key through four state
 
 Generation cuts. Closing admission (prepare) asks the inference backend, through
 :attr:`ModelParticipant.cut_source`, to cut every undelivered call of an episode at a
-durable token prefix, within half of the remaining deadline (:meth:`note_deadline`). A
+durable token prefix, within half of the remaining deadline (:meth:`note_deadline`); the
+backend holds a cut generation at its prefix until resume (:attr:`release_source`), so
+after a crash no token past the prefix was generated and is generated again. A
 call with constrained decoding (:attr:`ModelCall.constrained`) is never cut; a cut that
 fails leaves the call held and the checkpoint valid (it is generated again after a
 crash). Counts: ``cut``, ``cut_failed``, ``cut_skipped``.
@@ -20,7 +22,8 @@ crash). Counts: ``cut``, ``cut_failed``, ``cut_skipped``.
 The capture ledger. Each delivered call leaves a row ``{model_call_id, request_digest,
 staging_key, tokens}`` under its capture key (:meth:`ModelParticipant.delivered`). A commit
 exports, per scoped episode with rows or a cut, ``{"episode_id", "rows", "generation_cuts"}``
-(one cut per episode: its latest admitted undelivered call's), and its reply lists the
+(one cut per episode: its latest admitted undelivered call's; a generation that completed
+while undelivered is kept whole, as a terminal cut), and its reply lists the
 ``staging_keys`` those records still refer to (and ``staging_keys_by_episode``). A restore,
 only on a server that has served no call, installs the rows under the replacement attempt
 and keeps each restored cut until the replacement call with the same request delivers:
@@ -100,6 +103,8 @@ class ModelCall:
     #: the continuation this checkpoint's cut gave (None: not cut)
     cut: dict[str, Any] | None = None
     cut_failed: bool = False
+    #: the whole generation as a terminal cut, once it completed while undelivered (None: not yet)
+    terminal: dict[str, Any] | None = None
     #: the restored cut this call continues (None: none)
     continues: dict[str, Any] | None = None
     delivered: bool = False
@@ -127,6 +132,9 @@ class ModelParticipant(Participant):
         self._signal = ChangeSignal()
         #: set by the server: asks the inference backend to cut undelivered calls
         self.cut_source: Callable[[str, list[dict[str, Any]]], Awaitable[dict[str, dict[str, Any]]]] | None = None
+        #: set by the server: tells the backend a checkpoint resumed (its cut generations decode on)
+        self.release_source: Callable[[str], Awaitable[Any]] | None = None
+        self._cut_checkpoint: str | None = None
         self._deadline_ts: float | None = None
         #: whether any call was admitted since start (a restore needs a fresh server)
         self.served = False
@@ -232,6 +240,29 @@ class ModelParticipant(Participant):
         if call.continues is not None and self.restored_cuts.get(call.key) is call.continues:
             del self.restored_cuts[call.key]
 
+    def generated(self, call: ModelCall, staging_key: str | None, tokens: int, digest: str) -> None:
+        """``call``'s generation completed and was staged: if it stays undelivered, a checkpoint keeps all of it.
+
+        A terminal cut (``terminal_finish_reason`` set) continues without generating a token.
+        """
+        if call.episode is None or not staging_key or call.constrained is not None:
+            return
+        call.terminal = {
+            "schema_version": 2,
+            "source_capture_key": call.key,
+            "source_model_call_id": call.call_id,
+            "staging_keys": [staging_key],
+            "prefix_token_count": tokens,
+            "prefix_digest": digest,
+            "effective_output_limit": 1,
+            "terminal_finish_reason": "length",
+            "terminal_stop_reason": None,
+        }
+
+    def _kept(self, call: ModelCall) -> dict[str, Any] | None:
+        """What a checkpoint keeps of an undelivered call: its whole generation, else its cut prefix."""
+        return call.terminal if call.terminal is not None else call.cut
+
     def note_deadline(self, deadline_ts: float | None) -> None:
         """The deadline of the prepare about to close admission: the cut round takes half of what is left."""
         self._deadline_ts = deadline_ts
@@ -267,6 +298,7 @@ class ModelParticipant(Participant):
             for call in cuttable
             if call.episode is not None
         ]
+        self._cut_checkpoint = checkpoint_id
         try:
             async with asyncio.timeout(max(0.0, remaining) / 2):
                 acks = await self.cut_source(checkpoint_id, prefixes)
@@ -353,6 +385,12 @@ class ModelParticipant(Participant):
         """Deliver what was held; this checkpoint's cuts are over (the calls were not interrupted)."""
         for call in self._undelivered():
             call.cut, call.cut_failed = None, False
+        checkpoint_id, self._cut_checkpoint = self._cut_checkpoint, None
+        if checkpoint_id is not None and self.release_source is not None:
+            try:  # the backend froze the cut generations at their prefixes: they decode on
+                await self.release_source(checkpoint_id)
+            except Exception as exc:  # a backend that keeps them frozen lets them go after its own bound
+                logger.warning("releasing the generations cut for %s failed: %s", checkpoint_id, exc)
         self._gate.open()
         self._changed()
 
@@ -369,8 +407,8 @@ class ModelParticipant(Participant):
         """Calls by state, and the undelivered calls ``cut``, ``cut_failed`` and ``cut_skipped`` (constrained)."""
         counts = {str(state): self._counts[state] for state in CallState if state is not CallState.ENDED}
         undelivered = self._undelivered()
-        counts["cut"] = sum(1 for call in undelivered if call.cut is not None)
-        counts["cut_failed"] = sum(1 for call in undelivered if call.cut_failed)
+        counts["cut"] = sum(1 for call in undelivered if self._kept(call) is not None)
+        counts["cut_failed"] = sum(1 for call in undelivered if call.cut_failed and call.terminal is None)
         counts["cut_skipped"] = sum(1 for call in undelivered if call.constrained is not None)
         return counts
 
@@ -386,7 +424,7 @@ class ModelParticipant(Participant):
         """
         cuts: dict[str, ModelCall] = {}
         for call in self._undelivered():
-            if call.cut is not None and (call.key not in cuts or call.admitted_at > cuts[call.key].admitted_at):
+            if self._kept(call) is not None and (call.key not in cuts or call.admitted_at > cuts[call.key].admitted_at):
                 cuts[call.key] = call
         keys = (
             list(dict.fromkeys([*self.ledger, *cuts, *self.restored_cuts]))
@@ -399,7 +437,11 @@ class ModelParticipant(Participant):
             cut = cuts.get(key)
             if cut is not None:
                 generation_cuts = [
-                    {"model_call_id": cut.call_id, "request_digest": cut.request_digest, "continuation": cut.cut}
+                    {
+                        "model_call_id": cut.call_id,
+                        "request_digest": cut.request_digest,
+                        "continuation": self._kept(cut),
+                    }
                 ]
             elif key in self.restored_cuts:
                 generation_cuts = [dict(self.restored_cuts[key])]

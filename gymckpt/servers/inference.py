@@ -19,8 +19,12 @@ continues a cut generation on the replacement call.
   "tokens", "staging_key", "generated", "continued_from"}]``; ``POST /calls/reset`` empties it.
 - ``POST /ng-control/v1/generation-cut`` (a :class:`GenerationCutInventory`) → a generation
   cut receipt: each named call still decoding has the tokens it produced so far staged
-  under ``__generation_cut__/<rollout_id>/<model_call_id>`` and keeps decoding; a completed
-  one is staged whole (a terminal completion); any other is a ``durable_failure``.
+  under ``__generation_cut__/<rollout_id>/<model_call_id>`` and is frozen there (it
+  decodes no further token) until ``POST /ng-control/v1/generation-cut/release
+  {"checkpoint_id"}`` (the checkpoint resumed: it goes on), its client goes away (a crash:
+  abandoned), or :data:`FREEZE_SECONDS` pass; a completed one is staged whole (a terminal
+  completion); any other is a ``durable_failure``. So after a crash the replacement call
+  generates only tokens nobody generated before.
 - ``GET /ng-control/v1/staging`` → ``{"keys"}``; ``POST /ng-control/v1/staging/delete``
   ``{"keys"}`` → ``{"deleted"}``: the trainer's view of its token store.
 
@@ -32,6 +36,7 @@ A generation whose client disconnects is abandoned: never logged, never staged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -128,6 +133,14 @@ class GenerationCutPrefix(_Wire):
     attempt: int = Field(ge=0, strict=True)
     model_call_id: str = Field(min_length=1)
     admitted_at: float
+
+
+class GenerationCutRelease(BaseModel):
+    """The body of ``POST /ng-control/v1/generation-cut/release``: the checkpoint that resumed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str = Field(min_length=1)
 
 
 class GenerationCutInventory(_Wire):
@@ -227,6 +240,15 @@ class _Live:
     prompt_sha256: str
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
+    #: the checkpoint whose cut froze this generation (None: decoding), and its release
+    frozen_by: str | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+#: the longest a cut generation stays frozen without a release, in seconds
+FREEZE_SECONDS = 600.0
+#: how often a frozen generation looks whether its client went away, in seconds
+_FROZEN_POLL_SECONDS = 0.05
 
 
 def _rng(seed: int, prompt: str) -> random.Random:
@@ -392,8 +414,13 @@ class InferenceBackend:
             rng.randrange(VOCAB_SIZE)
         try:
             while len(live.tokens) < request.max_tokens:
+                if live.frozen_by is not None and not await self._stay_frozen(live, disconnected):
+                    self.abandoned += 1
+                    return None
                 await asyncio.sleep(self.token_delay_seconds)
                 await self._decoding.wait()
+                if live.frozen_by is not None:
+                    continue  # cut during this token's delay: the token is not produced
                 if await disconnected():
                     self.abandoned += 1
                     return None
@@ -410,6 +437,28 @@ class InferenceBackend:
 
     # --- generation cut
 
+    async def _stay_frozen(self, live: _Live, disconnected: Callable[[], Any]) -> bool:
+        """Wait until the cut's release (True) or the client went away (False); at most FREEZE_SECONDS."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + FREEZE_SECONDS
+        while live.frozen_by is not None and loop.time() < until:
+            if await disconnected():
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(live.released.wait(), _FROZEN_POLL_SECONDS)
+        live.frozen_by = None
+        return True
+
+    def release(self, checkpoint_id: str) -> int:
+        """The checkpoint ``checkpoint_id`` resumed: its frozen generations decode on; how many."""
+        released = 0
+        for live in self._live.values():
+            if live.frozen_by == checkpoint_id:
+                live.frozen_by = None
+                live.released.set()
+                released += 1
+        return released
+
     def cut(self, inventory: GenerationCutInventory) -> dict[str, Any]:
         """The receipt of a cut: each named call's prefix staged (or a durable failure), in the order named."""
         echoed = inventory.model_dump(mode="json")
@@ -420,15 +469,17 @@ class InferenceBackend:
             "inventory": echoed,
             "backend_snapshot_id": uuid.uuid4().hex,
             "prefixes": [
-                {**sent, **self._cut_one(prefix)}
+                {**sent, **self._cut_one(prefix, inventory.checkpoint_id)}
                 for sent, prefix in zip(echoed["active_prefixes"], inventory.active_prefixes, strict=True)
             ],
         }
 
-    def _cut_one(self, prefix: GenerationCutPrefix) -> dict[str, Any]:
+    def _cut_one(self, prefix: GenerationCutPrefix, checkpoint_id: str) -> dict[str, Any]:
         key = cut_staging_key(prefix.rollout_id, prefix.model_call_id)
         live = self._latest_live(prefix.model_call_id)
-        if live is not None:  # still decoding: freeze what it has, and let it go on
+        if live is not None:  # still decoding: stage what it has and freeze it there until the release
+            live.frozen_by = checkpoint_id
+            live.released.clear()
             tokens = list(live.tokens)
             self.staged[key] = StagedTokens(
                 tokens, live.seed, live.prompt_sha256, live.max_tokens, complete=False, call_id=live.call_id
@@ -556,6 +607,11 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
         raw, inventory = await _parse(request, GenerationCutInventory)
         _check_digest(raw, inventory)
         return JSONResponse(backend.cut(inventory))
+
+    @app.post(GENERATION_CUT_ROUTE + "/release")
+    async def release(request: Request) -> dict[str, int]:
+        _, body = await _parse(request, GenerationCutRelease)
+        return {"released": backend.release(body.checkpoint_id)}
 
     @app.get(f"{BACKEND_CONTROL_PREFIX}staging")
     async def staging() -> dict[str, list[str]]:

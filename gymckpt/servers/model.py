@@ -38,7 +38,7 @@ from gymckpt.errors import DownstreamError, InferenceFailed, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
 from gymckpt.servers.base import Downstream, ServerConfig, build_app
-from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest
+from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest, prefix_digest
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -274,6 +274,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
     app.state.plane = plane
     if participant is not None and config.generation_cuts:
         participant.cut_source = cutter.cut
+        participant.release_source = cutter.release
 
     def generate_body(request: ResponsesRequest, episode: EpisodeId | None) -> dict[str, Any]:
         items = request.items()
@@ -295,6 +296,9 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         if continuation is not None:
             body = {**body, "ng_capture": {"generation_cut": continuation}}
         reply, _ = await inference.post(config.inference_url, "/generate", body, episode=None)
+        if participant is not None and call is not None:
+            tokens = [int(token) for token in reply.get("tokens", [])]
+            participant.generated(call, reply.get("staging_key"), len(tokens), prefix_digest(tokens))
         return reply
 
     @app.post("/v1/responses")
@@ -362,10 +366,7 @@ class GenerationCutClient:
             "active_prefixes": ordered,
             "inventory_digest": inventory_digest(checkpoint_id, self.server_name, ordered),
         }
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        async with self._session.post(self.url, json=body, headers=headers) as response:
+        async with self._client().post(self.url, json=body, headers=self._headers()) as response:
             raw = await response.read()
             if response.status >= 400:
                 raise DownstreamError.answered(self.url, response.status, raw)
@@ -377,6 +378,23 @@ class GenerationCutClient:
         if tickets is None or sorted(tickets) != [prefix["ticket_id"] for prefix in ordered]:
             raise DownstreamError(f"{self.url} did not acknowledge every ticket exactly once")
         return {ack["ticket_id"]: ack for ack in acks}
+
+    async def release(self, checkpoint_id: str) -> None:
+        """The checkpoint resumed: the generations it cut decode on."""
+        async with self._client().post(
+            self.url + "/release", json={"checkpoint_id": checkpoint_id}, headers=self._headers()
+        ) as response:
+            raw = await response.read()
+            if response.status >= 400:
+                raise DownstreamError.answered(self.url + "/release", response.status, raw)
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        return self._session
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     async def close(self) -> None:
         if self._session is not None:

@@ -120,8 +120,10 @@ def test_a_cut_mid_generation_then_a_continuation_gives_the_uncut_tokens() -> No
             assert not staged.complete
             assert (staged.seed, staged.max_tokens) == (SEED, N)
             assert staged.prompt_sha256 == hashlib.sha256(PROMPT.encode()).hexdigest()
-            assert backend.progress("r-a0:0") is not None  # the cut did not stop it
+            assert backend.progress("r-a0:0") is not None  # frozen at the cut, not gone
             backend.resume()
+            released = await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
+            assert released.json() == {"released": 1}  # the checkpoint resumed: it decodes on
             first = (await bounded(original)).json()
             assert first["tokens"] == generate_tokens(SEED, PROMPT, N)
             assert (first["generated"], first["continued_from"]) == (N, 0)
@@ -147,7 +149,7 @@ def test_a_cut_mid_generation_then_a_continuation_gives_the_uncut_tokens() -> No
     run(main)
 
 
-def test_the_cut_generation_keeps_decoding_and_a_later_cut_is_longer() -> None:
+def test_a_cut_generation_is_frozen_until_released_and_a_later_cut_is_longer() -> None:
     async def main() -> None:
         async with _backend() as (client, backend):
             original = asyncio.create_task(client.post("/generate", json=_body("r-a0:0")))
@@ -155,6 +157,11 @@ def test_the_cut_generation_keeps_decoding_and_a_later_cut_is_longer() -> None:
             backend.pause()
             first = (await _cut(client, _prefix("r-a0:0")))["prefixes"][0]
             backend.resume()
+            other = await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "another"})
+            assert other.json() == {"released": 0}  # only the cut's own checkpoint releases it
+            assert backend.progress("r-a0:0") == first["prefix_token_count"]
+            released = await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
+            assert released.json() == {"released": 1}
             await _decoding(backend, "r-a0:0", first["prefix_token_count"] + 2)
             backend.pause()
             second = (await _cut(client, _prefix("r-a0:0")))["prefixes"][0]
@@ -165,6 +172,7 @@ def test_the_cut_generation_keeps_decoding_and_a_later_cut_is_longer() -> None:
                 SEED, PROMPT, second["prefix_token_count"]
             )
             backend.resume()
+            await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
             reply = (await bounded(original)).json()
             assert reply["tokens"] == generate_tokens(SEED, PROMPT, N)
             assert [c["call_id"] for c in backend.calls] == ["r-a0:0"]
@@ -226,6 +234,7 @@ def test_the_receipt_echoes_the_inventory_and_acks_every_ticket_once_in_order() 
             assert terminal["staging_keys"] == ["__generation_cut__/r3/done"]
             assert not any(key.startswith("__generation_cut__/r1/") for key in backend.staged)
             backend.resume()
+            await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
             await bounded(live)
 
             empty = await _cut(client)
@@ -247,6 +256,7 @@ def test_a_retried_call_in_flight_twice_cuts_the_latest() -> None:
             assert staged.prompt_sha256 == hashlib.sha256(b"second").hexdigest()
             assert staged.tokens == generate_tokens(SEED, "second", ack["prefix_token_count"])
             backend.resume()
+            await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
             await bounded(asyncio.gather(older, newer))
 
     run(main)

@@ -134,17 +134,22 @@ def test_a_generation_in_flight_is_held_until_resume_and_does_not_block(tmp_path
             assert not call.done()
             assert participant.ready()
             status = (await model.client.get(f"{CONTROL_PREFIX}/status", headers=_auth())).json()
-            # held, and its cut failed: the gate kept the generation from the backend, which cannot cut what it never saw
-            assert status["report"]["counts"] == {**IDLE, "held": 1, "cut_failed": 1}
+            # the cut at prepare failed (the gate kept the generation from the backend), but the generation
+            # completed while held: the checkpoint keeps it whole, as a terminal cut
+            assert status["report"]["counts"] == {**IDLE, "held": 1, "cut": 1}
 
             committed = await model.control(
                 "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ckpt"), episode_ids=["r"]
             )
             assert committed.status_code == 200, committed.text
-            assert committed.json()["record_count"] == 0  # nothing for an undelivered call
+            assert committed.json()["record_count"] == 1
             assert not call.done()
-            manifests = open_store(str(tmp_path / "ckpt")).read_participant("", kind="model", instance="model-0")
-            assert list(manifests) == []
+            (record,) = open_store(str(tmp_path / "ckpt")).read_participant("", kind="model", instance="model-0")
+            (cut,) = record["generation_cuts"]
+            assert record["rows"] == []  # an undelivered call leaves no ledger row
+            assert cut["continuation"]["terminal_finish_reason"] == "length"
+            assert cut["continuation"]["staging_keys"] == ["__calls__/r:0"]
+            assert cut["continuation"]["prefix_token_count"] == 8
 
             assert (await model.control("resume", checkpoint_id="c1")).status_code == 200
             response = await bounded(call)

@@ -74,9 +74,13 @@ def test_a_cut_generation_continues_on_a_fresh_server_with_the_uncut_tokens(tmp_
                 assert committed["record_count"] == 1
                 assert committed["staging_keys"] == [key]
                 assert committed["staging_keys_by_episode"] == {"r": [key]}
+                inference.resume()
+                # the cut froze the generation at its prefix: nothing past it is generated before the "crash"
+                assert inference.progress("r:0") == prefix
                 call.cancel()  # the crash: nobody will read this reply
                 await asyncio.gather(call, return_exceptions=True)
-            inference.resume()  # the backend survives; the abandoned generation goes on or stops
+            await inference.wait_until(lambda: inference.progress("r:0") is None, TIMEOUT)  # abandoned
+            assert not any(entry["call_id"] == "r:0" for entry in inference.calls)
             async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
                 restored = await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
                 assert restored.json()["restored"] == ["r-a1"], restored.text
@@ -153,5 +157,35 @@ def test_the_ledger_keeps_delivered_calls_and_lists_their_staging_keys(tmp_path:
             assert committed["record_count"] == 1
             assert committed["staging_keys"] == ["__calls__/r:0"]
             assert committed["staging_keys_by_episode"] == {"r": ["__calls__/r:0"]}
+
+    run(main)
+
+
+def test_a_generation_completed_while_held_is_kept_whole_and_never_generated_again(tmp_path: Path) -> None:
+    async def main() -> None:
+        ckpt = str(tmp_path / "ck")
+        # the cut fails (the backend wants another token), so the generation is not frozen and completes
+        async with backend(token="another") as (url, inference):
+            async with model_server(url, max_tokens=MAX_TOKENS) as model:
+                call = asyncio.create_task(model.respond("r", REQUEST))
+                prefix = await _mid_way(inference, "r:0", 5)
+                counts = (await model.control("prepare", checkpoint_id="c1")).json()["report"]["counts"]
+                assert (counts["cut"], counts["cut_failed"]) == (0, 1)
+                inference.resume()  # the generation completes while admission is closed: its reply is held
+                participant = model.participant
+                await participant.wait_until(lambda: participant.counts()["held"] == 1, TIMEOUT)
+                committed = (
+                    await model.control("commit", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+                ).json()
+                assert committed["staging_keys"] == ["__calls__/r:0"]  # the whole generation, not the cut prefix
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+            async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
+                await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+                await fresh.control("resume", checkpoint_id="c1")
+                assert (await bounded(fresh.respond("r-a1", REQUEST))).status_code == 200
+                (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
+                assert (logged["continued_from"], logged["generated"]) == (MAX_TOKENS, 0)
+                assert prefix < MAX_TOKENS
 
     run(main)
