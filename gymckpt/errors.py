@@ -38,6 +38,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     │   ├── StaleAttempt                         409 stale_attempt: a retired attempt's request
     │   ├── CoordinatorUnavailable               503 checkpoint_coordinator_unavailable: a worker without its coordinator
     │   ├── RetireIncomplete                     409 retire_incomplete: forget while a retire still frees
+    │   ├── GenerationCutMismatch                409 generation_cut_mismatch: a continuation not of its staged prefix
     │   ├── RestartInScope                       409 restart_in_scope
     │   ├── ExportFailed                         409 export_failed: this checkpoint id is over
     │   ├── CheckpointParked                     409 checkpoint_parked: new work while a checkpoint is open
@@ -92,6 +93,7 @@ __all__ = [
     "ControlError",
     "CoordinationError",
     "CoordinatorUnavailable",
+    "GenerationCutMismatch",
     "SessionForwardFailed",
     "SessionOwnerGone",
     "DeadlineExceeded",
@@ -348,6 +350,12 @@ class CoordinatorUnavailable(ControlError):
     status = 503
 
 
+class GenerationCutMismatch(ControlError):
+    """A continuation whose staged prefix is missing or not this call's (the inference backend refuses it)."""
+
+    code = "generation_cut_mismatch"
+
+
 class RetireIncomplete(ControlError):
     """A forget of rollouts whose retire is still stopping and freeing them; retry after it finished."""
 
@@ -564,6 +572,7 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         DeadlineExceeded,
         StaleAttempt,
         RetireIncomplete,
+        GenerationCutMismatch,
         CoordinatorUnavailable,
         RestartInScope,
         ExportFailed,

@@ -51,7 +51,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gymckpt.control.responses import error_response
-from gymckpt.errors import ClientDisconnected, ControlError, InvalidRequest, Unauthorized
+from gymckpt.errors import ClientDisconnected, GenerationCutMismatch, InvalidRequest, Unauthorized
 from gymckpt.participants.signal import ChangeSignal
 from gymckpt.servers.base import ServerConfig, build_app
 
@@ -113,12 +113,6 @@ class InferenceConfig(ServerConfig):
     """The inference backend's config: the simulated latency per token."""
 
     token_delay_seconds: float = Field(default=0.01, ge=0)
-
-
-class GenerationCutMismatch(ControlError):
-    """409 ``generation_cut_mismatch``: a continuation whose staged prefix is missing or not this call's."""
-
-    code = "generation_cut_mismatch"
 
 
 class _Wire(BaseModel):

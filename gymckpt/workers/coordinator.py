@@ -506,19 +506,30 @@ class CoordinatedParticipant(Participant):
 
 
 def _merged_reply_extra(replies: Mapping[int, Any]) -> dict[str, Any]:
-    """Every worker's ``reply_extra``: a list field is the sorted union, any other field the first worker's."""
+    """Every worker's ``reply_extra`` merged: lists joined (strings: sorted, once each), maps merged key by
+    key the same way (``staging_keys_by_episode``), any other field the first worker's."""
     merged: dict[str, Any] = {}
     for index in sorted(replies):
         extra = replies[index].get("reply_extra") if isinstance(replies[index], dict) else None
         for name, value in (extra if isinstance(extra, dict) else {}).items():
-            if isinstance(value, list) and isinstance(merged.get(name, []), list):
-                merged[name] = [*merged.get(name, []), *value]
-            else:
-                merged.setdefault(name, value)
-    for name, value in merged.items():
-        if isinstance(value, list) and all(isinstance(item, str) for item in value):
-            merged[name] = sorted(set(value))
-    return merged
+            merged[name] = _merge_value(merged[name], value) if name in merged else value
+    return {name: _tidy(value) for name, value in merged.items()}
+
+
+def _merge_value(old: Any, new: Any) -> Any:
+    if isinstance(old, list) and isinstance(new, list):
+        return [*old, *new]
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{key: _merge_value(old[key], value) if key in old else value for key, value in new.items()}}
+    return old
+
+
+def _tidy(value: Any) -> Any:
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return sorted(set(value))
+    if isinstance(value, dict):
+        return {key: _tidy(item) for key, item in sorted(value.items())}
+    return value
 
 
 def _with_session_id(record: dict[str, Any]) -> dict[str, Any]:

@@ -451,6 +451,7 @@ WIRE = {
     errors.ExportFailed: ("export_failed", 409),
     errors.CheckpointParked: ("checkpoint_parked", 409),
     errors.RetireIncomplete: ("retire_incomplete", 409),
+    errors.GenerationCutMismatch: ("generation_cut_mismatch", 409),
     errors.CoordinatorUnavailable: ("checkpoint_coordinator_unavailable", 503),
     errors.RolloutIdRequired: ("rollout_id_required", 400),
     errors.InvalidRolloutId: ("invalid_rollout_id", 400),

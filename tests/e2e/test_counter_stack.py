@@ -61,6 +61,47 @@ def test_native_episodes_crash_and_continue(e2e: E2EStack, tmp_path: Path) -> No
     e2e.run(scenario())
 
 
+def test_generations_cut_at_the_checkpoint_continue_and_no_token_is_generated_twice(
+    e2e: E2EStack, tmp_path: Path
+) -> None:
+    """Every model call after the restore either continues a cut (only the tokens after its prefix are
+    generated) or is a turn nobody had generated: the backend's log shows no token generated twice."""
+
+    async def scenario() -> None:
+        gym = await e2e.coordinator()
+        keys = {f"cut-{index}": index for index in range(6)}
+        runs = e2e.start(keys)
+        await e2e.wait_for_calls(dict.fromkeys(keys, 1), runs)
+        cut = await e2e.checkpoint(gym, "cuts-1", tmp_path / "ckpt", runs)
+        model = next(reply for reply in cut.outcome.commits.values() if reply.kind == "model")
+        extra = model.model_extra or {}
+        records = cut.records.get("model", {})
+        cuts = {key: record["generation_cuts"][0] for key, record in records.items() if record["generation_cuts"]}
+        listed = {key for record_keys in extra["staging_keys_by_episode"].values() for key in record_keys}
+        assert set(extra["staging_keys"]) == listed  # every staged key the records refer to, and no other
+        for key, record in records.items():
+            for row in record["rows"]:
+                assert row["staging_key"] in extra["staging_keys_by_episode"][key]
+        before = len(await e2e.harness.model_calls())
+        await e2e.crash(runs, cut.committed)
+        await e2e.restore(cut)
+        log = await e2e.continue_committed(cut)
+        completed_before = {str(call["call_id"]) for call in log[:before]}
+        for call in log[before:]:
+            rollout_key, _, turn = str(call["call_id"]).rpartition(":")
+            source = next((key for key in cuts if next_key(key) == rollout_key), None)
+            continued = int(call["continued_from"])
+            if continued:
+                assert source is not None, call  # only a cut is continued
+                assert call["generated"] == len(call["tokens"]) - continued, call
+            else:  # generated from its first token: a turn no generation had reached before the crash
+                old = f"{source}:{turn}" if source is not None else None
+                assert old not in completed_before, call
+        assert any(int(call["continued_from"]) for call in log[before:]) or not cuts, cuts
+
+    e2e.run(scenario())
+
+
 def test_legacy_runs_crash_and_continue(e2e: E2EStack, tmp_path: Path) -> None:
     async def scenario() -> None:
         gym = await e2e.coordinator()

@@ -572,3 +572,8 @@ def test_the_workers_commit_reply_extras_are_merged_lists_joined() -> None:
     }
     assert _merged_reply_extra(replies) == {"staging_keys": ["k1", "k2", "k3"], "note": "first"}
     assert _merged_reply_extra({1: {"reply_extra": {"staging_keys": []}}}) == {"staging_keys": []}
+    by_episode = {
+        1: {"reply_extra": {"staging_keys_by_episode": {"a": ["k2"], "b": ["k1"]}}},
+        2: {"reply_extra": {"staging_keys_by_episode": {"a": ["k1"], "c": ["k3"]}}},
+    }
+    assert _merged_reply_extra(by_episode) == {"staging_keys_by_episode": {"a": ["k1", "k2"], "b": ["k1"], "c": ["k3"]}}
