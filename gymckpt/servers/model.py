@@ -15,11 +15,18 @@ with checkpointing on or off.
 (``{"type", "index", "token"}``), then ``response.completed`` with the full response
 object (``{"type", "response"}``).
 
-With checkpointing on, the server is a :class:`~gymckpt.participants.model.ModelParticipant`
-: calls carry their rollout prefix, closing admission holds undelivered responses and
-makes new calls wait, and only a streaming response blocks readiness. The inference
-backend is not a Gym server: it is called without a rollout prefix, with call ids
-``"<capture key>:<tool results so far>"``.
+``/v1/chat/completions`` and ``/v1/messages`` take ``messages`` and answer the same policy
+in their own shapes (no streaming); every route is gated the same way.
+
+With checkpointing on (and ``checkpoint_policy``, the default), the server is a
+:class:`~gymckpt.participants.model.ModelParticipant`: closing admission holds undelivered
+responses and makes new calls wait, only a streaming response blocks readiness, prepare
+cuts the undelivered generations (:class:`GenerationCutClient`), and a replacement call
+continues its restored cut (``ng_capture.generation_cut`` on ``/generate``). Calls without
+a rollout prefix are served too. With ``checkpoint_policy: false`` (a judge or other
+auxiliary model) nothing is installed: it keeps serving through checkpoints and discover
+skips it. The inference backend is not a Gym server: it is called without a rollout
+prefix, with call ids ``"<capture key>:<tool results so far>"``.
 """
 
 from __future__ import annotations
@@ -41,17 +48,22 @@ from gymckpt.servers.base import Downstream, ServerConfig, build_app
 from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest, prefix_digest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fastapi import FastAPI
 
     from gymckpt.identity import EpisodeId
     from gymckpt.participants.model import ModelCall
 
 __all__ = [
+    "ConversationRequest",
     "ModelServerConfig",
     "ResponsesRequest",
     "build_model_app",
     "GenerationCutClient",
+    "anthropic_message",
     "canonical_prompt",
+    "chat_completion",
     "constrained_decoding",
     "policy_reply",
     "sse_events",
@@ -127,6 +139,73 @@ def constrained_decoding(request: BaseModel) -> str | None:
         if fields.get(name) is not None:
             return name
     return None
+
+
+class ConversationRequest(BaseModel):
+    """A ``/v1/chat/completions`` or ``/v1/messages`` request: ``messages`` are the input (no streaming)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = "gymckpt-policy"
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    def as_responses(self) -> ResponsesRequest:
+        """The same call as a Responses request (the policy, its gating and its cuts are one)."""
+        extra = {name: value for name, value in (self.model_extra or {}).items() if name not in ("stream", "input")}
+        return ResponsesRequest(
+            model=self.model, input=self.messages, tools=self.tools, metadata=self.metadata, **extra
+        )
+
+
+def _first_output(reply: dict[str, Any]) -> dict[str, Any]:
+    return reply["output"][0]  # type: ignore[no-any-return]
+
+
+def chat_completion(reply: dict[str, Any]) -> dict[str, Any]:
+    """The Responses ``reply`` as an OpenAI chat completion."""
+    item = _first_output(reply)
+    if item["type"] == "function_call":
+        call = {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]},
+        }
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
+        finish = "tool_calls"
+    else:
+        message = {"role": "assistant", "content": item["content"][0]["text"]}
+        finish = "stop"
+    return {
+        "id": reply["id"].replace("resp_", "chatcmpl_", 1),
+        "object": "chat.completion",
+        "model": reply["model"],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+        "usage": {"completion_tokens": reply["usage"]["output_tokens"]},
+    }
+
+
+def anthropic_message(reply: dict[str, Any]) -> dict[str, Any]:
+    """The Responses ``reply`` as an Anthropic-style ``/v1/messages`` reply."""
+    item = _first_output(reply)
+    if item["type"] == "function_call":
+        content = [
+            {"type": "tool_use", "id": item["call_id"], "name": item["name"], "input": json.loads(item["arguments"])}
+        ]
+        stop = "tool_use"
+    else:
+        content = [{"type": "text", "text": item["content"][0]["text"]}]
+        stop = "end_turn"
+    return {
+        "id": reply["id"].replace("resp_", "msg_", 1),
+        "type": "message",
+        "role": "assistant",
+        "model": reply["model"],
+        "content": content,
+        "stop_reason": stop,
+        "usage": {"output_tokens": reply["usage"]["output_tokens"]},
+    }
 
 
 def canonical_prompt(items: list[dict[str, Any]]) -> str:
@@ -301,8 +380,8 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
             participant.generated(call, reply.get("staging_key"), len(tokens), prefix_digest(tokens))
         return reply
 
-    @app.post("/v1/responses")
-    async def responses(request: ResponsesRequest) -> Response:
+    async def serve(request: ResponsesRequest, shape: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
+        """One policy call, gated by the participant; ``shape`` turns the Responses reply into the route's."""
         episode = current_episode()
         body = generate_body(request, episode)
         call = None
@@ -336,10 +415,22 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 return _EventStream(sse_events(reply, tokens), participant, call, row)
             if participant is not None and call is not None:
                 participant.delivered(call, row)
-            return JSONResponse(reply)
+            return JSONResponse(shape(reply))
         finally:
             if participant is not None and call is not None and not handed_over:
                 participant.finish(call)
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest) -> Response:
+        return await serve(request, lambda reply: reply)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ConversationRequest) -> Response:
+        return await serve(request.as_responses(), chat_completion)
+
+    @app.post("/v1/messages")
+    async def messages(request: ConversationRequest) -> Response:
+        return await serve(request.as_responses(), anthropic_message)
 
     return app
 
