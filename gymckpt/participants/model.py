@@ -20,7 +20,7 @@ fails leaves the call held and the checkpoint valid (it is generated again after
 crash). Counts: ``cut``, ``cut_failed``, ``cut_skipped``.
 
 The capture ledger. Each delivered call leaves a row ``{model_call_id, request_digest,
-staging_key, tokens}`` under its capture key (:meth:`ModelParticipant.delivered`). A commit
+staging_key, tokens, response_digest}`` under its capture key (:meth:`ModelParticipant.delivered`). A commit
 exports, per scoped episode with rows or a cut, ``{"episode_id", "rows", "generation_cuts"}``
 (one cut per episode: its latest admitted undelivered call's; a generation that completed
 while undelivered is kept whole, as a terminal cut), and its reply lists the

@@ -25,6 +25,8 @@ continues a cut generation on the replacement call.
   abandoned), or :data:`FREEZE_SECONDS` pass; a completed one is staged whole (a terminal
   completion); any other is a ``durable_failure``. So after a crash the replacement call
   generates only tokens nobody generated before.
+- ``GET /ng-control/v1/generations`` → ``{"generations": [{"call_id", "tokens", "max_tokens",
+  "frozen_by"}]}``: the generations still decoding (what a cut can name).
 - ``GET /ng-control/v1/staging`` → ``{"keys"}``; ``POST /ng-control/v1/staging/delete``
   ``{"keys"}`` → ``{"deleted"}``: the trainer's view of its token store.
 
@@ -443,6 +445,18 @@ class InferenceBackend:
         live.frozen_by = None
         return True
 
+    def generations(self) -> list[dict[str, Any]]:
+        """Every generation still decoding, oldest first: its call id, tokens so far, limit and the cut freezing it."""
+        return [
+            {
+                "call_id": live.call_id,
+                "tokens": len(live.tokens),
+                "max_tokens": live.max_tokens,
+                "frozen_by": live.frozen_by,
+            }
+            for live in sorted(self._live.values(), key=lambda live: live.serial)
+        ]
+
     def release(self, checkpoint_id: str) -> int:
         """The checkpoint ``checkpoint_id`` resumed: its frozen generations decode on; how many."""
         released = 0
@@ -606,6 +620,10 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
     async def release(request: Request) -> dict[str, int]:
         _, body = await _parse(request, GenerationCutRelease)
         return {"released": backend.release(body.checkpoint_id)}
+
+    @app.get(f"{BACKEND_CONTROL_PREFIX}generations")
+    async def generations() -> dict[str, list[dict[str, Any]]]:
+        return {"generations": backend.generations()}
 
     @app.get(f"{BACKEND_CONTROL_PREFIX}staging")
     async def staging() -> dict[str, list[str]]:

@@ -408,6 +408,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 "request_digest": call.request_digest if call is not None else "",
                 "staging_key": generated.get("staging_key"),
                 "tokens": len(tokens),
+                "response_digest": prefix_digest(tokens),
             }
             reply = policy_reply(request, tokens, tool_turns=config.tool_turns)
             if request.stream:

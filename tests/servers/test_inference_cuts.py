@@ -417,3 +417,26 @@ def test_without_a_token_the_control_routes_are_open() -> None:
             assert await _control_statuses(client, {}) == [200] * 3
 
     run(main)
+
+
+def test_the_generations_still_decoding_are_listed_with_the_cut_that_froze_them() -> None:
+    async def main() -> None:
+        async with _backend() as (client, backend):
+            assert (await client.get(f"{GENERATION_CUT_ROUTE.rsplit('/', 1)[0]}/generations")).json() == {
+                "generations": []
+            }
+            original = asyncio.create_task(client.post("/generate", json=_body("r-a0:0")))
+            await _decoding(backend, "r-a0:0", 2)
+            backend.pause()
+            [ack] = (await _cut(client, _prefix("r-a0:0")))["prefixes"]
+            listed = (await client.get(f"{GENERATION_CUT_ROUTE.rsplit('/', 1)[0]}/generations")).json()
+            assert listed == {
+                "generations": [
+                    {"call_id": "r-a0:0", "tokens": ack["prefix_token_count"], "max_tokens": N, "frozen_by": "ck-1"}
+                ]
+            }
+            backend.resume()
+            await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
+            await bounded(original)
+
+    run(main)
