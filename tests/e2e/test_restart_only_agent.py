@@ -1,4 +1,7 @@
-"""An agent without session hooks is restart-only: its rollouts are reported as restarts and start over."""
+"""An agent without session hooks is restart-only: its rollouts are reported as restarts and start over.
+
+Every Gym server runs two uvicorn workers.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EStack]:
-    with e2e_stack(tmp_path_factory.mktemp("restart-only"), references=range(4), agent_session_hooks=False) as running:
+    with e2e_stack(
+        tmp_path_factory.mktemp("restart-only"), references=range(4), agent_session_hooks=False, workers=2
+    ) as running:
         yield running
 
 

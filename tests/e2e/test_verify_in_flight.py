@@ -3,7 +3,8 @@
 The counter declares ``checkpoint_verify = "wait"``, the weather server ``"replay"``. A
 verification has no latency of its own, so :class:`~tests.e2e.conftest.ResourcesGate` (a
 pass-through proxy in front of the resources server) holds the ``/verify`` of chosen
-rollouts: it is in flight for the environment until the test releases it.
+rollouts: it is in flight for the environment until the test releases it. Every Gym server
+runs two uvicorn workers (the gate passes the session cookies they route by).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 @pytest.fixture(scope="module")
 def counter_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EStack]:
-    with e2e_stack(tmp_path_factory.mktemp("gated-counter"), references=range(3), gate=True) as running:
+    with e2e_stack(tmp_path_factory.mktemp("gated-counter"), references=range(3), gate=True, workers=2) as running:
         yield running
 
 
@@ -31,7 +32,12 @@ def counter_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EStack
 def weather_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2EStack]:
     # the weather tool does not take the policy's {"n": …} arguments: no tool turns, one model call per rollout
     with e2e_stack(
-        tmp_path_factory.mktemp("gated-weather"), references=range(2), gate=True, resources="weather", tool_turns=0
+        tmp_path_factory.mktemp("gated-weather"),
+        references=range(2),
+        gate=True,
+        resources="weather",
+        tool_turns=0,
+        workers=2,
     ) as running:
         yield running
 
