@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -41,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from gymckpt.control.responses import error_response
-from gymckpt.errors import DownstreamError, InferenceFailed, StaleAttempt
+from gymckpt.errors import DownstreamError, GenerationCutMismatch, InferenceFailed, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
 from gymckpt.servers.base import Downstream, ServerConfig, build_app
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
     from gymckpt.identity import EpisodeId
     from gymckpt.participants.model import ModelCall
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ConversationRequest",
@@ -372,9 +375,17 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
 
     async def generate(body: dict[str, Any], call: ModelCall | None) -> dict[str, Any]:
         continuation = participant.continuation_for(call) if participant is not None and call is not None else None
-        if continuation is not None:
-            body = {**body, "ng_capture": {"generation_cut": continuation}}
-        reply, _ = await inference.post(config.inference_url, "/generate", body, episode=None)
+        try:
+            continued = {**body, "ng_capture": {"generation_cut": continuation}} if continuation else body
+            reply, _ = await inference.post(config.inference_url, "/generate", continued, episode=None)
+        except DownstreamError as exc:
+            if continuation is None or exc.wire_code != GenerationCutMismatch.code:
+                raise
+            # the backend no longer holds the cut's tokens (its token store was lost): generate it all again
+            logger.warning(
+                "the backend refused to continue the cut of %s (%s); generating it again", body["call_id"], exc
+            )
+            reply, _ = await inference.post(config.inference_url, "/generate", body, episode=None)
         if participant is not None and call is not None:
             tokens = [int(token) for token in reply.get("tokens", [])]
             participant.generated(call, reply.get("staging_key"), len(tokens), prefix_digest(tokens))

@@ -189,3 +189,32 @@ def test_a_generation_completed_while_held_is_kept_whole_and_never_generated_aga
                 assert prefix < MAX_TOKENS
 
     run(main)
+
+
+def test_a_cut_whose_staged_tokens_are_gone_is_generated_again_and_nothing_is_lost(tmp_path: Path) -> None:
+    """The backend restarted (its token store is lost): the continuation is refused, the call is made whole."""
+
+    async def main() -> None:
+        ckpt = str(tmp_path / "ck")
+        async with backend() as (url, inference):
+            async with model_server(url, max_tokens=MAX_TOKENS) as reference:
+                uncut = (await reference.respond("ref", REQUEST)).json()
+            async with model_server(url, max_tokens=MAX_TOKENS) as model:
+                call = asyncio.create_task(model.respond("r", REQUEST))
+                await _mid_way(inference, "r:0", 5)
+                assert (await model.control("prepare", checkpoint_id="c1")).json()["report"]["counts"]["cut"] == 1
+                await model.control("commit", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+                inference.resume()
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+            inference.delete_staged([cut_staging_key("r", "r:0")])
+            async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
+                await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+                await fresh.control("resume", checkpoint_id="c1")
+                continued = await bounded(fresh.respond("r-a1", REQUEST))
+                assert continued.status_code == 200, continued.text
+                assert continued.json() == uncut
+                (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
+                assert (logged["continued_from"], logged["generated"]) == (0, MAX_TOKENS)
+
+    run(main)
