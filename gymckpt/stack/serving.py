@@ -48,7 +48,9 @@ def serve(
     from gymckpt.workers.process import ENV_SOCKET, CoordinatorThread, worker_environment
 
     config = load_config(kind, config_file)
-    block = config.checkpoint if config.checkpoint.enabled and kind not in NOT_GYM else None
+    # no participant (checkpointing off, not a Gym server, an auxiliary model): the workers only route sessions
+    participant = config.checkpoint.enabled and kind not in NOT_GYM and getattr(config, "checkpoint_policy", True)
+    block = config.checkpoint if participant else None
     instance = str(getattr(config, "instance", f"{PARTICIPANT_KINDS.get(kind, kind)}-0"))
     env = worker_environment(block, workers, f"{kind}/{instance}")
     env[KIND_ENV] = kind
