@@ -278,12 +278,19 @@ class ModelParticipant(Participant):
             and not call.delivered
         ]
 
-    async def _cut_round(self, checkpoint_id: str) -> None:
-        """Ask the backend to cut every undelivered, unconstrained call; a failure leaves them held."""
+    async def _cut_round(self, checkpoint_id: str, *, again: bool = False) -> None:
+        """Ask the backend to cut every undelivered, unconstrained call; a failure leaves them held.
+
+        ``again`` (at export): only the calls this checkpoint has kept nothing of yet, e.g. one
+        whose generation had not reached the backend when admission closed.
+        """
         undelivered = self._undelivered()
-        for call in undelivered:
-            call.cut, call.cut_failed = None, False
-        cuttable = [call for call in undelivered if call.constrained is None]
+        if again:
+            cuttable = [call for call in undelivered if call.constrained is None and self._kept(call) is None]
+        else:
+            for call in undelivered:
+                call.cut, call.cut_failed = None, False
+            cuttable = [call for call in undelivered if call.constrained is None]
         if self.cut_source is None or not cuttable:
             return
         remaining = DEFAULT_CUT_SECONDS if self._deadline_ts is None else self._deadline_ts - time.time()
@@ -308,8 +315,8 @@ class ModelParticipant(Participant):
         for call in cuttable:
             ack = acks.get(call.ticket_id)
             if ack is not None and ack.get("disposition") == "durable_prefix":
-                call.cut = _continuation(call, ack)
-            else:
+                call.cut, call.cut_failed = _continuation(call, ack), False
+            elif self._kept(call) is None:
                 call.cut_failed = True
         self._changed()
 
@@ -422,6 +429,8 @@ class ModelParticipant(Participant):
         cut no replacement call has delivered yet. Delivered calls' rows only: an undelivered
         call is continued from its cut, or called again, after a restore.
         """
+        if self._cut_checkpoint is not None:
+            await self._cut_round(self._cut_checkpoint, again=True)
         cuts: dict[str, ModelCall] = {}
         for call in self._undelivered():
             if self._kept(call) is not None and (call.key not in cuts or call.admitted_at > cuts[call.key].admitted_at):

@@ -15,10 +15,11 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.servers.inference import InferenceConfig, build_inference_app, cut_staging_key
+from gymckpt.store import open_store
 from gymckpt.testing.net import serve_in_loop
 from gymckpt.testing.time import bounded
 
-from .model_support import TIMEOUT, model_server, run
+from .model_support import TIMEOUT, inference_server, model_server, run
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -216,5 +217,32 @@ def test_a_cut_whose_staged_tokens_are_gone_is_generated_again_and_nothing_is_lo
                 assert continued.json() == uncut
                 (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
                 assert (logged["continued_from"], logged["generated"]) == (0, MAX_TOKENS)
+
+    run(main)
+
+
+def test_a_call_the_backend_had_not_seen_at_prepare_is_cut_at_commit(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with (
+            inference_server(token_delay_seconds=0.002) as inference,
+            model_server(inference.url, max_tokens=MAX_TOKENS) as model,
+        ):
+            inference.gate.close()  # the call's /generate waits in front of the backend
+            call = asyncio.create_task(model.respond("r", REQUEST))
+            await inference.gate.until(lambda gate: gate.arrivals == 1)
+            counts = (await model.control("prepare", checkpoint_id="c1")).json()["report"]["counts"]
+            assert (counts["cut"], counts["cut_failed"]) == (0, 1)  # the backend did not know it yet
+            inference.gate.open()
+            prefix = await _mid_way(inference.backend, "r:0", 2)
+            committed = await model.control(
+                "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r"]
+            )
+            assert committed.json()["staging_keys"] == [cut_staging_key("r", "r:0")]
+            (record,) = open_store(str(tmp_path / "ck")).read_participant("", kind="model", instance="model-0")
+            assert record["generation_cuts"][0]["continuation"]["prefix_token_count"] == prefix
+            assert model.participant.counts()["cut"] == 1
+            inference.backend.resume()
+            assert (await model.control("resume", checkpoint_id="c1")).status_code == 200
+            assert (await bounded(call)).status_code == 200  # released at resume, delivered
 
     run(main)
