@@ -246,3 +246,6 @@ def test_generation_tokens_counts_what_cuts_kept_and_what_was_generated_again() 
     redone = [*before, {"call_id": "a-0-a1:1", "tokens": [1] * 8, "generated": 8, "continued_from": 0}]
     again = generation_tokens(before, redone, ["a-0"])
     assert (again.in_flight, again.kept, again.generated_again, again.from_first_token) == (8, 0, 8, 1)
+    # the held call's generation only started after the commit: it belongs to no checkpoint
+    late = generation_tokens(before, redone, ["a-0"], at_checkpoint=before[:1])
+    assert (late.in_flight, late.kept, late.generated_again, late.from_first_token) == (8, 0, 0, 0)

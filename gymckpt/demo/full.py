@@ -204,6 +204,7 @@ class _Demo:
         runs = await self._launch_until_half_finished(demo)
         in_flight = sorted(key for key, task in runs.items() if not task.done())
         exported = await self._checkpoint(demo, gym, in_flight)
+        calls_at_checkpoint = await self._model_calls(demo)
         await self._await_ended_runs(runs, in_flight, exported)
 
         # a rollout whose /run returned a failure before the crash has no result: it is lost
@@ -225,7 +226,7 @@ class _Demo:
         outcome.model_calls_before_crash, outcome.model_calls_redone = redone_model_calls(
             calls_before, calls_after, exported
         )
-        tokens = generation_tokens(calls_before, calls_after, exported)
+        tokens = generation_tokens(calls_before, calls_after, exported, calls_at_checkpoint)
         outcome.tokens_in_flight, outcome.tokens_kept_by_cuts = tokens.in_flight, tokens.kept
         outcome.tokens_generated_again, outcome.held_from_first_token = tokens.generated_again, tokens.from_first_token
 

@@ -62,17 +62,24 @@ def _turn(call: dict[str, Any], wanted: set[str]) -> tuple[str, str] | None:
 
 
 def generation_tokens(
-    before: list[dict[str, Any]], after: list[dict[str, Any]], exported: Iterable[str]
+    before: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    exported: Iterable[str],
+    at_checkpoint: list[dict[str, Any]] | None = None,
 ) -> GenerationTokens:
     """Tokens kept by cuts and generated again, from the backend's log (``continued_from``, ``generated``).
 
     A call after the restore replaced a generation in flight at the checkpoint when it
     continued a cut (``continued_from`` > 0), or when its turn had completed before the crash
-    (a held response, never delivered). Its ``generated`` tokens of such a completed turn
-    were generated a second time.
+    (a held response, never delivered). Its ``generated`` tokens of a turn already complete
+    when the checkpoint was committed (``at_checkpoint``, the log then; default ``before``)
+    were generated a second time. A turn whose generation only started after the commit (its
+    request had not reached the backend yet) belongs to no checkpoint: generating it again
+    is not counted.
     """
     wanted = set(exported)
     earlier = {turn for call in before if (turn := _turn(call, wanted)) is not None}
+    committed = {turn for call in (before if at_checkpoint is None else at_checkpoint) if (turn := _turn(call, wanted))}
     in_flight = kept = again = first = 0
     for call in after[len(before) :]:
         turn = _turn(call, wanted)
@@ -83,7 +90,7 @@ def generation_tokens(
             continue  # a turn the rollout had not reached: a new call, not a replacement
         in_flight += len(call.get("tokens") or [])
         kept += continued
-        if turn in earlier:
+        if turn in committed:
             again += int(call.get("generated", len(call.get("tokens") or [])) or 0)
             first += continued == 0
     return GenerationTokens(in_flight=in_flight, kept=kept, generated_again=again, from_first_token=first)
