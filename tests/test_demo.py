@@ -246,6 +246,35 @@ def test_generation_tokens_counts_what_cuts_kept_and_what_was_generated_again() 
     redone = [*before, {"call_id": "a-0-a1:1", "tokens": [1] * 8, "generated": 8, "continued_from": 0}]
     again = generation_tokens(before, redone, ["a-0"])
     assert (again.in_flight, again.kept, again.generated_again, again.from_first_token) == (8, 0, 8, 1)
-    # the held call's generation only started after the commit: it belongs to no checkpoint
-    late = generation_tokens(before, redone, ["a-0"], at_checkpoint=before[:1])
+    # the checkpoint held only the first call (the second reached the backend after the export)
+    late = generation_tokens(before, redone, ["a-0"], held_calls=["a-0:0", "b-0:1"])
     assert (late.in_flight, late.kept, late.generated_again, late.from_first_token) == (8, 0, 0, 0)
+    # a cut that kept tokens, yet the replacement started from the first token: caught though it never completed
+    cut = [*before, {"call_id": "b-0-a1:0", "tokens": [1] * 8, "generated": 8, "continued_from": 0}]
+    lost = generation_tokens(before, cut, ["a-0", "b-0"], held_calls=["a-0:0", "a-0:1", "b-0:0"])
+    assert (lost.in_flight, lost.kept, lost.generated_again, lost.from_first_token) == (8, 0, 0, 1)
+
+
+def test_held_model_calls_are_the_completed_ones_and_what_the_model_records_kept(tmp_path: Path) -> None:
+    from gymckpt.demo.measure import held_model_calls
+    from gymckpt.store import open_store
+
+    def cut(call_id: str, tokens: int) -> dict[str, object]:
+        return {"model_call_id": call_id, "continuation": {"prefix_token_count": tokens, "staging_keys": ["k"]}}
+
+    store = open_store(str(tmp_path))
+    manifest = store.write_participant(
+        "ck",
+        kind="model",
+        instance="model-0",
+        checkpoint_id="ck",
+        records=[
+            {"episode_id": "a-0", "rows": [{"model_call_id": "a-0:0"}], "generation_cuts": [cut("a-0:1", 3)]},
+            {"episode_id": "b-0", "rows": [], "generation_cuts": [cut("b-0:0", 0)]},  # kept no token
+            {"episode_id": "c-0", "rows": [{"model_call_id": "c-0:0"}], "generation_cuts": []},  # not exported
+        ],
+    )
+    store.publish("ck", [manifest])
+    completed = [{"call_id": "d-0:2"}]
+    held = held_model_calls(str(tmp_path / "ck"), {}, ["a-0", "b-0"], completed)
+    assert held == {"a-0:0", "a-0:1", "d-0:2"}

@@ -34,7 +34,7 @@ import aiohttp
 from rich.markup import escape
 
 from gymckpt.control.coordination import runs_to_await
-from gymckpt.demo.measure import generation_tokens, redone_model_calls, stages_at_checkpoint
+from gymckpt.demo.measure import generation_tokens, held_model_calls, redone_model_calls, stages_at_checkpoint
 from gymckpt.demo.report import (
     EXIT_DIFFERS,
     EXIT_OK,
@@ -203,8 +203,9 @@ class _Demo:
         )
         runs = await self._launch_until_half_finished(demo)
         in_flight = sorted(key for key, task in runs.items() if not task.done())
+        completed_before_prepare = await self._model_calls(demo)
         exported = await self._checkpoint(demo, gym, in_flight)
-        calls_at_checkpoint = await self._model_calls(demo)
+        held_calls = await self._held_calls(exported, completed_before_prepare)
         await self._await_ended_runs(runs, in_flight, exported)
 
         # a rollout whose /run returned a failure before the crash has no result: it is lost
@@ -226,7 +227,7 @@ class _Demo:
         outcome.model_calls_before_crash, outcome.model_calls_redone = redone_model_calls(
             calls_before, calls_after, exported
         )
-        tokens = generation_tokens(calls_before, calls_after, exported, calls_at_checkpoint)
+        tokens = generation_tokens(calls_before, calls_after, exported, held_calls)
         outcome.tokens_in_flight, outcome.tokens_kept_by_cuts = tokens.in_flight, tokens.kept
         outcome.tokens_generated_again, outcome.held_from_first_token = tokens.generated_again, tokens.from_first_token
 
@@ -599,6 +600,15 @@ class _Demo:
         except (aiohttp.ClientError, TimeoutError):
             return []
         return calls if isinstance(calls, list) else []
+
+    async def _held_calls(self, exported: list[str], completed: list[dict[str, Any]]) -> set[str]:
+        """The model calls the checkpoint held (:func:`held_model_calls`); the demo fails if it cannot tell."""
+        try:
+            return await asyncio.to_thread(
+                held_model_calls, self.outcome.checkpoint_dir, self.storage_options, exported, completed
+            )
+        except Exception as exc:
+            raise _Failed(f"reading the checkpoint's model records failed: {exc}") from exc
 
     async def _stages(self, exported: list[str]) -> dict[str, int]:
         """Where each exported rollout stood, from its environment and agent records (best effort)."""

@@ -12,7 +12,7 @@ from gymckpt.store import open_store
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-__all__ = ["GenerationTokens", "generation_tokens", "redone_model_calls", "stages_at_checkpoint"]
+__all__ = ["GenerationTokens", "generation_tokens", "held_model_calls", "redone_model_calls", "stages_at_checkpoint"]
 
 
 def redone_model_calls(
@@ -65,35 +65,65 @@ def generation_tokens(
     before: list[dict[str, Any]],
     after: list[dict[str, Any]],
     exported: Iterable[str],
-    at_checkpoint: list[dict[str, Any]] | None = None,
+    held_calls: Iterable[str] | None = None,
 ) -> GenerationTokens:
     """Tokens kept by cuts and generated again, from the backend's log (``continued_from``, ``generated``).
 
     A call after the restore replaced a generation in flight at the checkpoint when it
-    continued a cut (``continued_from`` > 0), or when its turn had completed before the crash
-    (a held response, never delivered). Its ``generated`` tokens of a turn already complete
-    when the checkpoint was committed (``at_checkpoint``, the log then; default ``before``)
-    were generated a second time. A turn whose generation only started after the commit (its
-    request had not reached the backend yet) belongs to no checkpoint: generating it again
-    is not counted.
+    continued a cut or replayed a response (``continued_from`` > 0), or when its turn had
+    completed before the crash. Its ``generated`` tokens count as generated a second time
+    when that turn's generation had completed before the crash and the checkpoint held it
+    (``held_calls``, the model call ids of
+    :func:`held_model_calls`; default: every call of ``before``). A turn whose generation
+    reached the backend only after the export belongs to no checkpoint: generating it
+    again is not counted.
     """
     wanted = set(exported)
     earlier = {turn for call in before if (turn := _turn(call, wanted)) is not None}
-    committed = {turn for call in (before if at_checkpoint is None else at_checkpoint) if (turn := _turn(call, wanted))}
+    ids = (str(call.get("call_id", "")) for call in before) if held_calls is None else held_calls
+    held = {turn for call_id in ids if (turn := _turn({"call_id": call_id}, wanted)) is not None}
     in_flight = kept = again = first = 0
     for call in after[len(before) :]:
         turn = _turn(call, wanted)
         if turn is None:
             continue
         continued = int(call.get("continued_from") or 0)
-        if continued == 0 and turn not in earlier:
+        if continued == 0 and turn not in earlier and turn not in held:
             continue  # a turn the rollout had not reached: a new call, not a replacement
         in_flight += len(call.get("tokens") or [])
         kept += continued
-        if turn in committed:
-            again += int(call.get("generated", len(call.get("tokens") or [])) or 0)
-            first += continued == 0
+        if turn in held:
+            first += continued == 0  # the checkpoint kept tokens of it, yet it started over
+            if turn in earlier:  # its generation had completed before the crash
+                again += int(call.get("generated", len(call.get("tokens") or [])) or 0)
     return GenerationTokens(in_flight=in_flight, kept=kept, generated_again=again, from_first_token=first)
+
+
+def held_model_calls(
+    checkpoint_dir: str, storage_options: dict[str, Any], exported: list[str], completed: list[dict[str, Any]]
+) -> set[str]:
+    """The model call ids a checkpoint held of the exported rollouts: what a restore must not generate again.
+
+    ``completed`` is the backend's log read before prepare (those generations had ended);
+    the model records add each ledger row's call and each cut that kept a token. Blocking
+    (it reads the store); raises whatever reading raises.
+    """
+    held = {str(call.get("call_id", "")) for call in completed}
+    store = open_store(checkpoint_dir, **storage_options)
+    try:
+        for entry in store.read_index("").participants:
+            if entry.kind != "model":
+                continue
+            for record in store.read_participant("", kind=entry.kind, instance=entry.instance, scope=exported):
+                held.update(str(row.get("model_call_id")) for row in record.get("rows", []))
+                held.update(
+                    str(cut.get("model_call_id"))
+                    for cut in record.get("generation_cuts", [])
+                    if int(cut.get("continuation", {}).get("prefix_token_count") or 0) > 0
+                )
+    finally:
+        store.close()
+    return held
 
 
 def stages_at_checkpoint(checkpoint_dir: str, storage_options: dict[str, Any], exported: list[str]) -> dict[str, int]:

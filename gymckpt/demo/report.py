@@ -246,7 +246,7 @@ def render(outcome: DemoOutcome, console: Console) -> None:
     table.add_row(
         "tokens kept by cuts",
         f"{outcome.tokens_kept_by_cuts:,}",
-        f"of {outcome.tokens_in_flight:,} in flight at the checkpoint",
+        f"of {outcome.tokens_in_flight:,} in flight at the checkpoint (cut prefixes, replayed responses)",
     )
     table.add_row(
         "tokens generated again",

@@ -27,7 +27,10 @@ while undelivered is kept whole, as a terminal cut), and its reply lists the
 ``staging_keys`` those records still refer to (and ``staging_keys_by_episode``). A restore,
 only on a server that has served no call, installs the rows under the replacement attempt
 and keeps each restored cut until the replacement call with the same request delivers:
-that call continues the cut's prefix (:meth:`ModelParticipant.continuation_for`).
+that call continues the cut's prefix (:meth:`ModelParticipant.continuation_for`). A
+restored row the replacement asks for again (the same request: the response had left the
+model server but the agent's checkpoint was taken before it arrived) is replayed from its
+staged tokens, not generated again, and the ledger keeps the one row.
 
 A call's waiting, generation and hold run as one child task of its handler, so
 :meth:`ModelParticipant.retire` can cancel it without cancelling the server's request
@@ -107,6 +110,8 @@ class ModelCall:
     terminal: dict[str, Any] | None = None
     #: the restored cut this call continues (None: none)
     continues: dict[str, Any] | None = None
+    #: the restored ledger row this call replays (None: none)
+    replays: dict[str, Any] | None = None
     delivered: bool = False
 
     @property
@@ -142,6 +147,10 @@ class ModelParticipant(Participant):
         self.ledger: dict[str, list[dict[str, Any]]] = {}
         #: restored cuts by the capture key of the attempt that continues them
         self.restored_cuts: dict[str, dict[str, Any]] = {}
+        #: restored ledger rows no call has replayed yet, by capture key
+        self.restored_rows: dict[str, list[dict[str, Any]]] = {}
+        #: calls answered by replaying a restored row
+        self.replayed = 0
         self._exported: list[dict[str, Any]] = []
 
     # --- the data path, for the server's /v1/responses
@@ -224,19 +233,56 @@ class ModelParticipant(Participant):
     # --- generation cuts and the capture ledger, for the server
 
     def continuation_for(self, call: ModelCall) -> dict[str, Any] | None:
-        """The restored cut ``call`` continues (same attempt, same request), else None."""
-        restored = self.restored_cuts.get(call.key) if call.episode is not None else None
-        if restored is None or restored.get("request_digest") != call.request_digest or call.constrained:
+        """What ``call`` continues (same attempt, same request), else None.
+
+        A restored cut's continuation (never for constrained decoding), else a terminal
+        continuation replaying a restored ledger row with the same request: the whole
+        response, staged, so nothing is generated.
+        """
+        if call.episode is None or not call.request_digest:
             return None
-        call.continues = restored
-        return dict(restored["continuation"])
+        restored = self.restored_cuts.get(call.key)
+        if restored is not None and restored.get("request_digest") == call.request_digest and not call.constrained:
+            call.continues = restored
+            return dict(restored["continuation"])
+        rows = self.restored_rows.get(call.key, [])
+        row = next((row for row in rows if row.get("request_digest") == call.request_digest), None)
+        if row is None:
+            return None
+        rows.remove(row)
+        call.replays = row
+        return {
+            "schema_version": 2,
+            "source_capture_key": call.key,
+            "source_model_call_id": row["model_call_id"],
+            "staging_keys": [row["staging_key"]],
+            "prefix_token_count": row["tokens"],
+            "prefix_digest": row["response_digest"],
+            "effective_output_limit": 1,
+            "terminal_finish_reason": "length",
+            "terminal_stop_reason": None,
+        }
+
+    def continuation_refused(self, call: ModelCall) -> None:
+        """The backend could not continue ``call`` (its staged tokens are gone): it is generated anew.
+
+        A replayed row's response is then not the one the trajectory gets: it leaves the ledger.
+        """
+        row, call.replays = call.replays, None
+        if row is not None:
+            rows = self.ledger.get(call.key, [])
+            if row in rows:
+                rows.remove(row)
 
     def delivered(self, call: ModelCall, row: dict[str, Any]) -> None:
         """``call``'s response was delivered: its ledger row is kept, a restored cut it continued is used up."""
         call.delivered = True
         if call.episode is None:
             return
-        self.ledger.setdefault(call.key, []).append(dict(row))
+        if call.replays is not None:
+            self.replayed += 1  # the ledger already has this response's row
+        else:
+            self.ledger.setdefault(call.key, []).append(dict(row))
         if call.continues is not None and self.restored_cuts.get(call.key) is call.continues:
             del self.restored_cuts[call.key]
 
@@ -503,6 +549,16 @@ class ModelParticipant(Participant):
             checked.append((key, rows, cut))
         for key, rows, cut in checked:
             self.ledger[key] = [dict(row) for row in rows]
+            replayable = [
+                row
+                for row in self.ledger[key]
+                if isinstance(row.get("staging_key"), str)
+                and isinstance(row.get("request_digest"), str)
+                and isinstance(row.get("response_digest"), str)
+                and type(row.get("tokens")) is int
+            ]
+            if replayable:
+                self.restored_rows[key] = replayable
             if cut is not None:
                 self.restored_cuts[key] = dict(cut)
 
@@ -523,6 +579,7 @@ class ModelParticipant(Participant):
         for key in [key for key in {*self.ledger, *self.restored_cuts} if covered.covers(key)]:
             self.ledger.pop(key, None)
             self.restored_cuts.pop(key, None)
+            self.restored_rows.pop(key, None)
 
     async def delete_restored(self, episode_ids: list[str]) -> None:
         """Drop the restored cuts and rows a commit left out whose replacement has made no call."""
@@ -531,10 +588,12 @@ class ModelParticipant(Participant):
             if key not in live and key in self.restored_cuts:
                 del self.restored_cuts[key]
                 self.ledger.pop(key, None)
+                self.restored_rows.pop(key, None)
 
     def status_extra(self) -> dict[str, Any]:
-        """``restored_generation_cuts``: the attempts whose restored cut no call has delivered yet."""
-        return {"restored_generation_cuts": sorted(self.restored_cuts)}
+        """``restored_generation_cuts`` (the attempts whose restored cut no call has delivered yet) and
+        ``replayed_calls`` (calls answered from a restored ledger row)."""
+        return {"restored_generation_cuts": sorted(self.restored_cuts), "replayed_calls": self.replayed}
 
 
 def _continuation(call: ModelCall, ack: dict[str, Any]) -> dict[str, Any]:

@@ -381,6 +381,8 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         except DownstreamError as exc:
             if continuation is None or exc.wire_code != GenerationCutMismatch.code:
                 raise
+            if participant is not None and call is not None:
+                participant.continuation_refused(call)
             # the backend no longer holds the cut's tokens (its token store was lost): generate it all again
             logger.warning(
                 "the backend refused to continue the cut of %s (%s); generating it again", body["call_id"], exc

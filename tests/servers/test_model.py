@@ -403,7 +403,7 @@ def test_the_participant_exports_its_ledger_and_installs_records_only_when_fresh
         }
         await participant.install([{"episode_id": "a-a1", "rows": [row], "generation_cuts": [cut]}], ["a-a1"], None)
         assert participant.ledger == {"a-a1": [row]}
-        assert participant.status_extra() == {"restored_generation_cuts": ["a-a1"]}
+        assert participant.status_extra() == {"restored_generation_cuts": ["a-a1"], "replayed_calls": 0}
         exported = await participant.export(["a-a1", "b-a1"])
         assert exported == [{"episode_id": "a-a1", "rows": [row], "generation_cuts": [cut]}]
         assert participant.commit_reply_extra() == {

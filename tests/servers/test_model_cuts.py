@@ -55,6 +55,27 @@ async def _mid_way(inference: InferenceBackend, call_id: str, tokens: int) -> in
     return progress
 
 
+@asynccontextmanager
+async def restored_server(url: str, ckpt: str) -> AsyncIterator[Any]:
+    """A fresh model server on which checkpoint ``c1`` of rollout ``r`` was restored and resumed."""
+    async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
+        assert (
+            await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+        ).status_code == 200
+        assert (await fresh.control("resume", checkpoint_id="c1")).status_code == 200
+        yield fresh
+
+
+async def checkpoint_a_delivered_call(url: str, ckpt: str) -> dict[str, Any]:
+    """Rollout ``r`` makes one call, delivered; checkpoint ``c1`` commits ``r``; its reply."""
+    async with model_server(url, max_tokens=MAX_TOKENS) as model:
+        delivered = (await model.respond("r", REQUEST)).json()
+        assert (await model.control("prepare", checkpoint_id="c1")).json()["phase"] == "prepared"
+        committed = await model.control("commit", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
+        assert committed.json()["staging_keys"] == ["__calls__/r:0"]
+    return delivered
+
+
 def test_a_cut_generation_continues_on_a_fresh_server_with_the_uncut_tokens(tmp_path: Path) -> None:
     async def main() -> None:
         ckpt = str(tmp_path / "ck")
@@ -181,9 +202,7 @@ def test_a_generation_completed_while_held_is_kept_whole_and_never_generated_aga
                 assert committed["staging_keys"] == ["__calls__/r:0"]  # the whole generation, not the cut prefix
                 call.cancel()
                 await asyncio.gather(call, return_exceptions=True)
-            async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
-                await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
-                await fresh.control("resume", checkpoint_id="c1")
+            async with restored_server(url, ckpt) as fresh:
                 assert (await bounded(fresh.respond("r-a1", REQUEST))).status_code == 200
                 (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
                 assert (logged["continued_from"], logged["generated"]) == (MAX_TOKENS, 0)
@@ -209,9 +228,7 @@ def test_a_cut_whose_staged_tokens_are_gone_is_generated_again_and_nothing_is_lo
                 call.cancel()
                 await asyncio.gather(call, return_exceptions=True)
             inference.delete_staged([cut_staging_key("r", "r:0")])
-            async with model_server(url, max_tokens=MAX_TOKENS) as fresh:
-                await fresh.control("restore", checkpoint_id="c1", checkpoint_dir=ckpt, episode_ids=["r"])
-                await fresh.control("resume", checkpoint_id="c1")
+            async with restored_server(url, ckpt) as fresh:
                 continued = await bounded(fresh.respond("r-a1", REQUEST))
                 assert continued.status_code == 200, continued.text
                 assert continued.json() == uncut
@@ -244,5 +261,54 @@ def test_a_call_the_backend_had_not_seen_at_prepare_is_cut_at_commit(tmp_path: P
             inference.backend.resume()
             assert (await model.control("resume", checkpoint_id="c1")).status_code == 200
             assert (await bounded(call)).status_code == 200  # released at resume, delivered
+
+    run(main)
+
+
+def test_a_delivered_response_asked_for_again_after_a_restore_is_replayed_not_generated(tmp_path: Path) -> None:
+    """The response left the model server, but the agent's checkpoint predates its arrival: the
+    replacement asks the same request again and gets the recorded response from its staged tokens."""
+
+    async def main() -> None:
+        ckpt = str(tmp_path / "ck")
+        other = {"model": "policy", "input": [{"role": "user", "content": "How near?"}]}
+        async with backend() as (url, inference):
+            delivered = await checkpoint_a_delivered_call(url, ckpt)
+            async with restored_server(url, ckpt) as fresh:
+                replayed = await bounded(fresh.respond("r-a1", REQUEST))
+                assert replayed.status_code == 200, replayed.text
+                assert replayed.json() == delivered
+                (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
+                assert (logged["continued_from"], logged["generated"]) == (MAX_TOKENS, 0)
+                # the lineage keeps the one row of that response; the next request is generated and appended
+                assert [row["model_call_id"] for row in fresh.participant.ledger["r-a1"]] == ["r:0"]
+                assert (await bounded(fresh.respond("r-a1", other))).status_code == 200
+                assert [entry["generated"] for entry in inference.calls if entry["call_id"] == "r-a1:0"] == [
+                    0,
+                    MAX_TOKENS,
+                ]
+                assert [row["model_call_id"] for row in fresh.participant.ledger["r-a1"]] == ["r:0", "r-a1:0"]
+                assert fresh.participant.status_extra()["replayed_calls"] == 1
+                # a row replays once: the same request again is a new call
+                assert (await bounded(fresh.respond("r-a1", REQUEST))).json() == delivered
+                assert inference.calls[-1]["generated"] == MAX_TOKENS
+
+    run(main)
+
+
+def test_a_replay_whose_staged_tokens_are_gone_is_generated_again_and_replaces_the_row(tmp_path: Path) -> None:
+    async def main() -> None:
+        ckpt = str(tmp_path / "ck")
+        async with backend() as (url, inference):
+            delivered = await checkpoint_a_delivered_call(url, ckpt)
+            inference.delete_staged(["__calls__/r:0"])
+            async with restored_server(url, ckpt) as fresh:
+                again = await bounded(fresh.respond("r-a1", REQUEST))
+                assert again.status_code == 200, again.text
+                assert again.json() == delivered  # the backend is deterministic: the same tokens, generated
+                (logged,) = [entry for entry in inference.calls if entry["call_id"] == "r-a1:0"]
+                assert (logged["continued_from"], logged["generated"]) == (0, MAX_TOKENS)
+                assert [row["model_call_id"] for row in fresh.participant.ledger["r-a1"]] == ["r-a1:0"]
+                assert fresh.participant.status_extra()["replayed_calls"] == 0
 
     run(main)
