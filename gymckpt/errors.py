@@ -593,3 +593,16 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
 def error_for_code(code: str) -> type[GymckptError] | None:
     """The class of the wire error ``code`` (``{"error": {"code": …}}``), None for a code gymckpt never sends."""
     return WIRE_ERRORS.get(code)
+
+
+class InvalidDataset(GymckptError, ValueError):
+    """A collection's dataset (or its results file) that cannot be used: names the file, the line and why."""
+
+    code = "invalid_dataset"
+    status = 400
+
+    def __init__(self, detail: str, *, path: str = "", line: int | None = None) -> None:
+        where = f"{path}:{line}: " if path and line is not None else f"{path}: " if path else ""
+        super().__init__(where + detail)
+        self.path = path
+        self.line = line

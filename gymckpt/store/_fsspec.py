@@ -298,6 +298,14 @@ class FsspecBackend(StorageBackend):
             self.fs.pipe_file(full, data)
         return True
 
+    def replace(self, path: str, data: bytes) -> None:
+        """One whole-object write (an object store's PUT replaces atomically)."""
+        safe_relative_path(path)
+        full = self.full_path(path)
+        with self.storage_errors(path, "write", writing=True):
+            self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
+            self.fs.pipe_file(full, bytes(data))
+
     def _resolve_existing(self, path: str, data: bytes) -> bool:
         try:
             existing = self.read_bytes(path)

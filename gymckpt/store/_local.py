@@ -363,6 +363,51 @@ class LocalBackend(StorageBackend):
         finally:
             _close_all(fds)
 
+    def replace(self, path: str, data: bytes) -> None:
+        """A temporary file written and fsynced, renamed over ``path``, then the directory fsynced."""
+        with self._parent(path, create=True) as (directory, name, relative):
+            temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
+            try:
+                with _os_errors(relative, "write"):
+                    fd = os.open(temp, _CREATE_FLAGS, 0o644, dir_fd=directory)
+                    try:
+                        _write_all(fd, data)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except BaseException:
+                with suppress(OSError):
+                    os.unlink(temp, dir_fd=directory)
+                raise
+            with _os_errors(relative.rpartition("/")[0] or ".", "fsync the directory"):
+                os.fsync(directory)
+
+    def _remove_empty_directories(self, path: str) -> None:
+        relative = safe_relative_path(path)
+        directories = [relative]
+        pending = [relative]
+        while pending:
+            current = pending.pop()
+            for name in self.list_dir(current):
+                if name.endswith("/"):
+                    child = join(current, name.rstrip("/"))
+                    directories.append(child)
+                    pending.append(child)
+        for directory in sorted(directories, key=lambda item: item.count("/"), reverse=True):
+            parent, _, name = directory.rpartition("/")
+            try:
+                fd = self.open_directory(parent)
+            except FileNotFoundError:
+                continue
+            try:
+                with suppress(FileNotFoundError, OSError):
+                    os.rmdir(name, dir_fd=fd)
+                with suppress(OSError):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
     def create_if_absent(self, path: str, data: bytes) -> bool:
         with self._parent(path, create=True) as (directory, name, relative):
             temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"

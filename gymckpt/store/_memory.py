@@ -102,6 +102,11 @@ class MemoryBackend(StorageBackend):
     def sync_directories(self, path: str, up_to: str = "") -> None:
         safe_relative_path(path)
 
+    def replace(self, path: str, data: bytes) -> None:
+        key = safe_relative_path(path)
+        with self.lock:
+            self.files[key] = bytes(data)
+
     def create_if_absent(self, path: str, data: bytes) -> bool:
         key = safe_relative_path(path)
         with self.lock:

@@ -127,6 +127,14 @@ class StorageBackend(ABC):
         """
 
     @abstractmethod
+    def replace(self, path: str, data: bytes) -> None:
+        """Write ``path`` with ``data`` whether or not it exists, atomically and durably.
+
+        A reader sees the old bytes or the new ones, never a mix. Only for small mutable
+        pointers (a collector's ``LATEST``): checkpoint files are created once, never replaced.
+        """
+
+    @abstractmethod
     def exists(self, path: str) -> bool:
         """True when a file exists at ``path``."""
 
@@ -149,6 +157,23 @@ class StorageBackend(ABC):
             while chunk := stream.read(1 << 20):
                 total += len(chunk)
         return total
+
+    def delete_tree(self, path: str) -> int:
+        """Delete every file under the directory ``path``, then the directories left empty; how many files.
+
+        A missing directory is not an error. The store's root is refused (``ValueError``).
+        """
+        if not safe_relative_path(path):
+            raise ValueError("delete_tree refuses the store's root")
+        removed = 0
+        for child, _ in list(self.walk_entries(path)):
+            self.delete(child)
+            removed += 1
+        self._remove_empty_directories(path)
+        return removed
+
+    def _remove_empty_directories(self, path: str) -> None:
+        """Remove the directories under ``path`` and ``path`` itself once empty (none on object storage)."""
 
     def walk_files(self, path: str = "") -> Iterator[str]:
         """Every file under ``path``, as store-relative paths (default: recursive list_dir)."""

@@ -160,12 +160,33 @@ class BackendTests:
         assert not backend.exists("c/other.txt")
         assert "c/other.txt" not in self.raw_files(backend)
 
+    def test_replace_writes_whether_or_not_the_file_exists(self, backend: StorageBackend) -> None:
+        backend.replace("root/LATEST", b"ckpt-1")
+        assert backend.read_bytes("root/LATEST") == b"ckpt-1"
+        backend.replace("root/LATEST", b"ckpt-22")
+        assert backend.read_bytes("root/LATEST") == b"ckpt-22"
+        assert self.raw_files(backend, "root") == ["root/LATEST"]  # no temporary file left beside it
+
+    def test_delete_tree_removes_one_directory_and_nothing_beside_it(self, backend: StorageBackend) -> None:
+        for path in ("r/old/gym/k/i/a.txt", "r/old/gym/checkpoint.json", "r/older/x", "r/LATEST"):
+            self.raw_write(backend, path, b"1")
+        assert backend.delete_tree("r/old") == 2
+        assert self.raw_files(backend, "r/") == ["r/LATEST", "r/older/x"]
+        assert backend.list_dir("r") == ["LATEST", "older/"]
+        assert backend.delete_tree("r/missing") == 0
+        with pytest.raises(ValueError, match="root"):
+            backend.delete_tree("")
+
     @pytest.mark.parametrize("path", ["../escape", "/etc/passwd", "a/../../b", "a\\b"])
     def test_paths_never_escape_the_root(self, backend: StorageBackend, path: str) -> None:
         with pytest.raises(errors.RecordsPathEscapes):
             backend.read_bytes(path)
         with pytest.raises(errors.RecordsPathEscapes):
             backend.create_if_absent(path, b"x")
+        with pytest.raises(errors.RecordsPathEscapes):
+            backend.replace(path, b"x")
+        with pytest.raises(errors.RecordsPathEscapes):
+            backend.delete_tree(path)
 
     def test_sync_directories_accepts_nested_paths(self, backend: StorageBackend) -> None:
         self.raw_write(backend, "s/t/u/file", b"1")

@@ -103,6 +103,10 @@ class RecordingBackend(StorageBackend):
         self.writes.append(path)
         return self.inner.create_if_absent(path, data)
 
+    def replace(self, path: str, data: bytes) -> None:
+        self.writes.append(path)
+        self.inner.replace(path, data)
+
     def exists(self, path: str) -> bool:
         self._read(path)
         return self.inner.exists(path)

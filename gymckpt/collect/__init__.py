@@ -1,0 +1,30 @@
+"""``gymckpt collect``: rollout collection that survives preemption (R1).
+
+:func:`collect` runs a dataset's rows through an environment server's ``/run``, writes
+each reply to a results file as it arrives, checkpoints the rows in flight through the
+coordination API (periodically, on SIGUSR1, and on SIGTERM before it exits), and with
+``resume`` continues them from the newest published checkpoint.
+"""
+
+from gymckpt.collect.dataset import Row, load_rows
+from gymckpt.collect.runner import (
+    EXIT_FAILED_ROWS,
+    EXIT_OK,
+    EXIT_STOPPED,
+    CollectOptions,
+    CollectSummary,
+    CollectUsageError,
+    collect,
+)
+
+__all__ = [
+    "EXIT_FAILED_ROWS",
+    "EXIT_OK",
+    "EXIT_STOPPED",
+    "CollectOptions",
+    "CollectSummary",
+    "CollectUsageError",
+    "Row",
+    "collect",
+    "load_rows",
+]
