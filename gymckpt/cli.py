@@ -556,7 +556,7 @@ def demo_command(
     "--servers",
     multiple=True,
     metavar="URL",
-    help="Every other Gym server the checkpoints coordinate (repeatable): model, agent, resources.",
+    help="Every other Gym server the checkpoints coordinate: model, agent, resources (repeatable, or comma-separated).",
 )
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="The results file (JSONL).")
 @click.option(
@@ -641,7 +641,7 @@ def collect_command(
     options = CollectOptions(
         dataset=Path(dataset),
         environment=environment,
-        servers=list(servers),
+        servers=[url for value in servers for url in value.split(",") if url.strip()],
         out=Path(out),
         token=settings.control_auth_token.get_secret_value(),
         checkpoint_dir=root,

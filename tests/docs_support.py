@@ -14,7 +14,7 @@
     deadline; a server command already running is first stopped as Ctrl-C stops it
     (SIGINT, bounded wait), then started again: the README's "stop it and start it again";
   - ``curl`` lines run with ``-w`` added to read the HTTP status; the reply is decoded;
-  - ``gymckpt verify``/``inspect`` and ``python FILE`` lines must exit 0;
+  - ``gymckpt verify``/``inspect``/``collect`` and ``python FILE`` lines must exit 0;
   - any other command is refused: a block that cannot run must be marked ``not run``.
 
 :meth:`Workspace.close` stops every server (SIGINT, then SIGKILL of its process group) and
@@ -148,7 +148,7 @@ class Workspace:
         copy = self.root / "examples"
         copy.mkdir(parents=True)
         for source in sorted(EXAMPLES.iterdir()):
-            if source.is_file() and source.suffix in (".py", ".yaml"):
+            if source.is_file() and source.suffix in (".py", ".yaml", ".jsonl"):
                 (copy / source.name).write_text(self.sub(source.read_text()))
 
     # --- text
@@ -184,7 +184,7 @@ class Workspace:
             self.start_server(stripped)
         elif words[0] == "curl":
             result = self._curl(stripped, where)
-        elif words[0] == "gymckpt" and words[1] in ("verify", "inspect"):
+        elif words[0] == "gymckpt" and words[1] in ("verify", "inspect", "collect"):
             result = Result("gymckpt", line, output=self._shell(stripped, where))
         elif words[0] == "python" and len(words) > 1 and words[1].endswith(".py"):
             result = Result("python", line, output=self._shell(stripped, where))

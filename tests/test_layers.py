@@ -16,6 +16,8 @@ LAYERS = [
     ("identity",),
     ("store",),
     ("control",),
+    # the collection controller: the coordination API and the store, no server
+    ("collect",),
     # the test kit: the backend suite (store) and a fake participant (control); demo uses its moto endpoint
     ("testing", "participants"),
     ("workers",),

@@ -366,7 +366,7 @@ class Collector:
             reply = await self._post_run(key, row.task)
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:  # ValueError: a reply not JSON
             reply = {"failure": {"failure_reason": f"/run failed: {exc or type(exc).__name__}", "terminal": False}}
         finally:
             self.in_flight.pop(row.rollout_id, None)
