@@ -168,6 +168,7 @@ class Collector:
         self.stopping = False
         self._stop_requested = asyncio.Event()
         self._stop_failed = False
+        self._collecting = False
         self.gym: Any = None
         self._checkpoint_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
@@ -179,8 +180,8 @@ class Collector:
     async def run(self) -> CollectSummary:
         options = self.options
         rows = load_rows(options.dataset)
-        earlier = self.results.load()
-        self._refuse_to_overwrite(earlier)
+        self._refuse_to_overwrite()
+        earlier = self.results.load() if options.resume else {}
         prior = self.dispatch.read() if options.resume else None
         latest = self.root.latest() if self.root is not None and options.resume else None
         plan = plan_resume(rows, earlier, prior, latest)
@@ -189,8 +190,12 @@ class Collector:
         servers = list(dict.fromkeys([options.environment.rstrip("/"), *(url.rstrip("/") for url in options.servers)]))
         self.progress = CollectProgress(self.console, len(rows), done=self.summary.skipped)
         loop = asyncio.get_running_loop()
+        if not todo and not plan.fenced:  # a finished collection: nothing to send, no server needed
+            if self.root is not None:
+                self.root.close()
+            return self._finish()
         handlers = {
-            signal.SIGUSR1: lambda: self._spawn(self.checkpoint(stop=False)),
+            signal.SIGUSR1: self._checkpoint_now,
             signal.SIGTERM: self._stop,
             signal.SIGINT: self._stop,
         }
@@ -232,10 +237,10 @@ class Collector:
             summary.exit_code = EXIT_FAILED_ROWS if summary.failed else EXIT_OK
         return summary
 
-    def _refuse_to_overwrite(self, earlier: dict[str, dict[str, Any]]) -> None:
+    def _refuse_to_overwrite(self) -> None:
         if self.options.resume:
             return
-        if earlier or self.options.out.exists():
+        if self.options.out.exists():
             raise CollectUsageError(
                 f"{self.options.out} exists: pass --resume to continue that collection, or choose another --out"
             )
@@ -282,6 +287,7 @@ class Collector:
     async def _collect(self, todo: list[Row], plan: _Plan) -> None:
         """Dispatch every row (restored ones first), checkpointing on the timer and on signals."""
         timer = asyncio.create_task(self._timer()) if self.options.every > 0 and self.root is not None else None
+        self._collecting = True
         try:
             queue = deque(sorted(todo, key=lambda row: row.rollout_id not in plan.continued))
             slots = asyncio.Semaphore(max(1, self.options.concurrency))
@@ -325,6 +331,13 @@ class Collector:
             await asyncio.sleep(self.options.every)
             if self.in_flight and not self.stopping:
                 await self.checkpoint(stop=False)
+
+    def _checkpoint_now(self) -> None:
+        """SIGUSR1: a checkpoint now, once rows are being dispatched (not while connecting or restoring)."""
+        if self._collecting and not self.stopping:
+            self._spawn(self.checkpoint(stop=False))
+        else:
+            self._event("SIGUSR1: no checkpoint now (not collecting yet, or stopping)")
 
     def _stop(self) -> None:
         if self.stopping:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from typing import TYPE_CHECKING
 
 import pytest
@@ -214,3 +216,29 @@ def test_a_checkpoint_of_another_run_is_not_restored_and_its_rows_are_fenced(tmp
     alone = plan_resume(rows, {}, None, checkpoint("older", {"0-0": 0}, {"0-0": 0, "1-0": 0}))
     assert alone.continued == {"0-0": 0} and alone.fenced == {"1-0": 0}
     assert alone.attempts == {"0-0": 1, "1-0": 1}
+
+
+def run_cli(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "settings.yaml"
+    config.write_text("checkpoint:\n  enabled: true\n  control_auth_token: t0ken\n")
+    command = [sys.executable, "-m", "gymckpt", "collect", *arguments, "--config", str(config), "--json"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_finished_collection_resumes_to_nothing_without_servers_and_a_fresh_one_is_not_overwritten(
+    tmp_path: Path,
+) -> None:
+    data = row_file(tmp_path, 2)
+    out = write_lines(
+        tmp_path / "r.jsonl",
+        [json.dumps({"_ng_rollout_id": f"{n}-0", "_ng_attempt_index": 0, "result": {"n": n}}) for n in range(2)],
+    )
+    nowhere = "http://127.0.0.1:9"  # nothing listens: a finished collection needs no server
+    done = run_cli(tmp_path, str(data), "--environment", nowhere, "--out", str(out), "--resume")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["rows"], summary["skipped"], summary["finished"]) == (2, 2, 0)
+    refused = run_cli(tmp_path, str(data), "--environment", nowhere, "--out", str(out))
+    assert refused.returncode == 2
+    assert "exists: pass --resume" in refused.stderr
+    assert out.read_text().count("\n") == 2  # untouched
