@@ -8,6 +8,8 @@ as ``{"error": {"code": ..., "detail": ...}}``.
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,7 +23,7 @@ from rich.text import Text
 
 from gymckpt._version import __version__
 from gymckpt.errors import GymckptError, InvalidCheckpointState, UnusableDirectory
-from gymckpt.stack import KINDS, build_server, load_stack
+from gymckpt.stack import KINDS, load_stack
 from gymckpt.stack.kinds import load_config
 from gymckpt.stack.serving import MAX_WORKERS, serve
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
@@ -66,6 +68,31 @@ def _storage_arguments(command: Any) -> Any:
         "--endpoint-url",
         metavar="URL",
         help="S3-compatible endpoint, e.g. http://127.0.0.1:9000. Credentials also come from AWS_* variables.",
+    )(command)
+
+
+def _set_log_level(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--log-level``: gymckpt's lines (timestamp, level, logger) at this level, here and in the servers started."""
+    from gymckpt import telemetry
+
+    if value is not None:
+        os.environ[telemetry.LOG_LEVEL_ENV] = value
+    telemetry.setup_logging(value)
+    return value
+
+
+def _log_level_option(command: Any, default: str | None = None) -> Any:
+    from gymckpt.telemetry import LOG_LEVELS
+
+    return click.option(
+        "--log-level",
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        default=default,
+        expose_value=False,
+        is_eager=True,
+        callback=_set_log_level,
+        help="gymckpt's log level, also for the servers it starts "
+        f"[default: {default or 'GYMCKPT_LOG_LEVEL, else info'}].",
     )(command)
 
 
@@ -414,6 +441,7 @@ def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episod
     help="uvicorn worker processes. Above 1, this process coordinates them: one checkpoint participant "
     "for all of them, and each session's requests routed to the worker that holds it.",
 )
+@_log_level_option
 def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None, workers: int) -> None:
     """Run one reference server (inference, model, agent, counter, weather, environment).
 
@@ -422,18 +450,11 @@ def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: 
     With --workers N the control routes answer the same on every worker, a checkpoint
     covers every worker's work, and a restore may run on another worker count.
     """
-    import uvicorn
-
     try:
-        app = build_server(kind, config_file)[0] if workers == 1 else load_config(kind, config_file)
+        load_config(kind, config_file)
     except (ValueError, ImportError, OSError) as exc:  # invalid YAML, a bad field, an unreadable file
         _fail(f"cannot build the {kind} server: {exc}")
-    if workers > 1:
-        serve(kind, config_file, host=host, port=port, fd=fd, workers=workers)
-    elif fd is not None:
-        uvicorn.run(app, fd=fd, log_level="warning")
-    else:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+    serve(kind, config_file, host=host, port=port, fd=fd, workers=workers)
 
 
 @main.group("stack")
@@ -443,6 +464,7 @@ def stack_group() -> None:
 
 @stack_group.command("up", cls=_Command)
 @click.argument("stack_file", type=click.Path(exists=True, dir_okay=False))
+@_log_level_option
 def stack_up(stack_file: str) -> None:
     """Start every server of STACK_FILE, each in its own process group, until interrupted."""
     import signal as signals
@@ -463,6 +485,7 @@ def stack_up(stack_file: str) -> None:
 
 
 @main.command("demo", cls=_Command)
+@functools.partial(_log_level_option, default="warning")
 @click.option("--rollouts", default=64, show_default=True, type=click.IntRange(1, 100_000), help="Concurrent rollouts.")
 @click.option(
     "--store",
@@ -592,6 +615,7 @@ def demo_command(
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 @_storage_arguments
+@_log_level_option
 def collect_command(
     dataset: str,
     environment: str,
@@ -625,9 +649,11 @@ def collect_command(
     """
     import asyncio
 
+    from gymckpt import telemetry
     from gymckpt.collect import CollectOptions, collect
     from gymckpt.control.settings import load_settings
 
+    telemetry.configure_from_environment("gymckpt-collect")
     try:
         settings = load_settings(config_file).checkpoint
     except (ValueError, OSError) as exc:

@@ -51,6 +51,8 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── AgentError                               502 agent_error: a turn loop that cannot go on
     ├── AgentRequestError                        400 invalid_agent_request
     ├── RestoredInputMismatch                    409 restored_input_mismatch
+    ├── InvalidDataset (ValueError)              400 invalid_dataset: a collection's dataset line (file:line: why)
+    ├── CollectionExists (FileExistsError)       409 collection_exists: results or checkpoints of an earlier collection
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -109,6 +111,8 @@ __all__ = [
     "InferenceFailed",
     "InvalidCheckpointState",
     "InvalidPayload",
+    "InvalidDataset",
+    "CollectionExists",
     "InvalidPhase",
     "InvalidRecord",
     "InvalidRequest",
@@ -548,6 +552,26 @@ class UnusableDirectory(InvalidCheckpointState, OSError):
     problem = "unusable_directory"
 
 
+class InvalidDataset(GymckptError, ValueError):
+    """A collection's dataset (or its results file) that cannot be used: names the file, the line and why."""
+
+    code = "invalid_dataset"
+    status = 400
+
+    def __init__(self, detail: str, *, path: str = "", line: int | None = None) -> None:
+        where = f"{path}:{line}: " if path and line is not None else f"{path}: " if path else ""
+        super().__init__(where + detail)
+        self.path = path
+        self.line = line
+
+
+class CollectionExists(GymckptError, FileExistsError):
+    """A collection asked to start fresh where an earlier one's results or checkpoints are: resume it instead."""
+
+    code = "collection_exists"
+    status = 409
+
+
 #: wire code → the one class that defines it (its subclasses inherit the code and are not listed)
 WIRE_ERRORS: dict[str, type[GymckptError]] = {
     cls.code: cls
@@ -586,6 +610,8 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         RestoredInputMismatch,
         Unauthorized,
         InvalidCheckpointState,
+        InvalidDataset,
+        CollectionExists,
     )
 }
 
@@ -593,16 +619,3 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
 def error_for_code(code: str) -> type[GymckptError] | None:
     """The class of the wire error ``code`` (``{"error": {"code": …}}``), None for a code gymckpt never sends."""
     return WIRE_ERRORS.get(code)
-
-
-class InvalidDataset(GymckptError, ValueError):
-    """A collection's dataset (or its results file) that cannot be used: names the file, the line and why."""
-
-    code = "invalid_dataset"
-    status = 400
-
-    def __init__(self, detail: str, *, path: str = "", line: int | None = None) -> None:
-        where = f"{path}:{line}: " if path and line is not None else f"{path}: " if path else ""
-        super().__init__(where + detail)
-        self.path = path
-        self.line = line

@@ -13,7 +13,6 @@ from gymckpt.collect.runner import (
     EXIT_STOPPED,
     CollectOptions,
     CollectSummary,
-    CollectUsageError,
     collect,
 )
 
@@ -23,7 +22,6 @@ __all__ = [
     "EXIT_STOPPED",
     "CollectOptions",
     "CollectSummary",
-    "CollectUsageError",
     "Row",
     "collect",
     "load_rows",

@@ -32,7 +32,7 @@ from gymckpt.collect.dataset import Row, load_rows
 from gymckpt.collect.journal import DispatchLog, PriorRun, ResultsFile, dispatch_log_path, ended
 from gymckpt.collect.progress import CollectProgress
 from gymckpt.control.coordination import Coordinator, runs_to_await
-from gymckpt.errors import CoordinationError, GymckptError
+from gymckpt.errors import CollectionExists, CoordinationError, GymckptError
 from gymckpt.identity import capture_key, split_capture_key
 
 if TYPE_CHECKING:
@@ -50,13 +50,6 @@ ENDED_RUNS_SECONDS = 30.0
 PARKED_RETRY_SECONDS = 0.2
 #: how many times a parked /run is sent again before it counts as failed
 PARKED_RETRIES = 600
-
-
-class CollectUsageError(GymckptError, ValueError):
-    """A collection that must not start as asked (it would overwrite or ignore earlier work)."""
-
-    code = "usage_error"
-    status = 400
 
 
 @dataclass
@@ -241,11 +234,11 @@ class Collector:
         if self.options.resume:
             return
         if self.options.out.exists():
-            raise CollectUsageError(
+            raise CollectionExists(
                 f"{self.options.out} exists: pass --resume to continue that collection, or choose another --out"
             )
         if self.root is not None and self.root.published():
-            raise CollectUsageError(
+            raise CollectionExists(
                 f"{self.options.checkpoint_dir} holds checkpoints of an earlier collection: "
                 "pass --resume to continue it, or choose another --checkpoint-dir"
             )

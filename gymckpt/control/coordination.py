@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import orjson
+from opentelemetry.trace import SpanKind
 
-from gymckpt import errors
+from gymckpt import errors, telemetry
 from gymckpt.control.models import Phase, PrepareReply
 from gymckpt.control.replies import ParticipantCommit, ParticipantRestore, counter, failed, parser, reply_error
 from gymckpt.control.routes import CONTROL_PREFIX
@@ -334,22 +335,37 @@ class Coordinator:
 
     # --- one call
 
+    def _traced(self, checkpoint_id: str) -> dict[str, Any]:
+        """The attributes of a coordination operation's span: the controller, the participants."""
+        return {
+            "kind": "controller",
+            "instance": "coordination",
+            "checkpoint_id": checkpoint_id,
+            "participants": len(self.kinds) or len(self.servers),
+        }
+
     async def _call(self, url: str, op: str, body: bytes | None, *, timeout: float) -> dict[str, Any]:
-        """One control request; a failure is typed by the reply's wire code (ServerCallFailed without one)."""
+        """One control request; a failure is typed by the reply's wire code (ServerCallFailed without one).
+
+        A CLIENT span ``gym.checkpoint.coordinate.<op>.call`` whose trace context the server continues.
+        """
         endpoint = f"{url}{CONTROL_PREFIX}/{op}"
         client_timeout = aiohttp.ClientTimeout(total=max(timeout, 0.1))
-        try:
-            if body is None:
-                response_cm = self._client().get(endpoint, timeout=client_timeout)
-            else:
-                response_cm = self._client().post(endpoint, data=body, timeout=client_timeout)
-            async with response_cm as response:
-                raw = await response.read()
-                status = response.status
-        except TimeoutError as exc:
-            raise failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
-        except aiohttp.ClientError as exc:
-            raise failed(url, f"{op} failed: {exc}") from exc
+        with telemetry.step(f"coordinate.{op}.call", span_kind=SpanKind.CLIENT, server=url) as call:
+            headers = telemetry.inject({})
+            try:
+                if body is None:
+                    response_cm = self._client().get(endpoint, timeout=client_timeout, headers=headers)
+                else:
+                    response_cm = self._client().post(endpoint, data=body, timeout=client_timeout, headers=headers)
+                async with response_cm as response:
+                    raw = await response.read()
+                    status = response.status
+            except TimeoutError as exc:
+                raise failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
+            except aiohttp.ClientError as exc:
+                raise failed(url, f"{op} failed: {exc}") from exc
+            call.set(status=status)
         if status >= 400:
             raise reply_error(url, op, status, raw)
         try:
@@ -473,21 +489,25 @@ class Coordinator:
         The stages after it are never called: their admission stays open. Resume
         everyone afterwards either way (the servers never called answer it as a no-op).
         """
-        encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
-        replies: dict[str, PrepareReply] = {}
-        for kind in KIND_ORDER:
-            stage = await self._fan_out(
-                "prepare", self._participants([kind]), encoded, deadline_ts, parser(PrepareReply)
-            )
-            replies.update(stage)
-            if any(reply.phase != Phase.PREPARED for reply in stage.values()):
-                return PrepareResult(False, replies, stopped_at=kind)
-        return PrepareResult(True, replies)
+        with telemetry.operation("coordinate.prepare", **self._traced(checkpoint_id)) as op:
+            encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+            replies: dict[str, PrepareReply] = {}
+            for kind in KIND_ORDER:
+                urls = self._participants([kind])
+                with telemetry.step(f"coordinate.prepare.{kind}", participants=len(urls)):
+                    stage = await self._fan_out("prepare", urls, encoded, deadline_ts, parser(PrepareReply))
+                replies.update(stage)
+                if any(reply.phase != Phase.PREPARED for reply in stage.values()):
+                    op.set(prepared=False, stopped_at=kind)
+                    return PrepareResult(False, replies, stopped_at=kind)
+            op.set(prepared=True)
+            return PrepareResult(True, replies)
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, dict[str, Any]]:
         """Extend every participant's lease; return each one's reply."""
-        encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
-        return await self._fan_out("renew", self._participants(), encoded, deadline_ts)
+        with telemetry.operation("coordinate.renew", **self._traced(checkpoint_id)):
+            encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+            return await self._fan_out("renew", self._participants(), encoded, deadline_ts)
 
     async def commit(
         self,
@@ -504,17 +524,25 @@ class Coordinator:
         state deleted). ``stop``: the controller stops after this checkpoint instead of
         resuming, and the participants free what their exported state holds outside.
         """
-        scope = None if episode_ids is None else [episode_object(key) for key in _scope_keys(episode_ids)]
-        body = {
-            "checkpoint_id": checkpoint_id,
-            "deadline_ts": deadline_ts,
-            "checkpoint_dir": checkpoint_dir,
-            "episode_ids": scope,
-            "stop": stop,
-        }
-        return await self._fan_out(
-            "commit", self._participants(), _encode(body), deadline_ts, parser(ParticipantCommit)
-        )
+        with telemetry.operation("coordinate.commit", **self._traced(checkpoint_id)) as op:
+            scope = None if episode_ids is None else [episode_object(key) for key in _scope_keys(episode_ids)]
+            body = {
+                "checkpoint_id": checkpoint_id,
+                "deadline_ts": deadline_ts,
+                "checkpoint_dir": checkpoint_dir,
+                "episode_ids": scope,
+                "stop": stop,
+            }
+            if scope is not None:
+                op.set(episodes=len(scope))
+            replies = await self._fan_out(
+                "commit", self._participants(), _encode(body), deadline_ts, parser(ParticipantCommit)
+            )
+            op.set(
+                records=sum(reply.record_count or 0 for reply in replies.values()),
+                bytes=sum(reply.records_bytes or 0 for reply in replies.values()),
+            )
+            return replies
 
     async def publish(
         self, checkpoint_dir: str, commits: dict[str, ParticipantCommit], *, extra: dict[str, Any] | None = None
@@ -561,17 +589,18 @@ class Coordinator:
         A stage that fails does not stop the others (none should stay closed): every
         failure is raised at the end, as one CoordinationError.
         """
-        encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
-        replies: dict[str, dict[str, Any]] = {}
-        causes: dict[str, BaseException] = {}
-        for kind in reversed(KIND_ORDER):
-            try:
-                replies.update(await self._fan_out("resume", self._participants([kind]), encoded, deadline_ts))
-            except errors.CoordinationError as exc:
-                causes.update(exc.causes)
-        if causes:
-            raise errors.CoordinationError("resume", causes)
-        return replies
+        with telemetry.operation("coordinate.resume", **self._traced(checkpoint_id)):
+            encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+            replies: dict[str, dict[str, Any]] = {}
+            causes: dict[str, BaseException] = {}
+            for kind in reversed(KIND_ORDER):
+                try:
+                    replies.update(await self._fan_out("resume", self._participants([kind]), encoded, deadline_ts))
+                except errors.CoordinationError as exc:
+                    causes.update(exc.causes)
+            if causes:
+                raise errors.CoordinationError("resume", causes)
+            return replies
 
     async def restore(
         self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, episode_ids: Iterable[EpisodeLike]
@@ -582,19 +611,21 @@ class Coordinator:
         is resumed (both by ``max(deadline_ts, now + 30 s)``), and the restore's error is
         raised (a cleanup error is only logged).
         """
-        scope = _scope_keys(episode_ids)
-        body = {
-            "checkpoint_id": checkpoint_id,
-            "deadline_ts": deadline_ts,
-            "checkpoint_dir": checkpoint_dir,
-            "episode_ids": [episode_object(key) for key in scope],
-        }
-        urls = self._participants()
-        try:
-            return await self._fan_out("restore", urls, _encode(body), deadline_ts, parser(ParticipantRestore))
-        except errors.CoordinationError:
-            await self._undo_restore(checkpoint_id, deadline_ts, scope)
-            raise
+        with telemetry.operation("coordinate.restore", **self._traced(checkpoint_id)) as op:
+            scope = _scope_keys(episode_ids)
+            body = {
+                "checkpoint_id": checkpoint_id,
+                "deadline_ts": deadline_ts,
+                "checkpoint_dir": checkpoint_dir,
+                "episode_ids": [episode_object(key) for key in scope],
+            }
+            urls = self._participants()
+            op.set(episodes=len(scope))
+            try:
+                return await self._fan_out("restore", urls, _encode(body), deadline_ts, parser(ParticipantRestore))
+            except errors.CoordinationError:
+                await self._undo_restore(checkpoint_id, deadline_ts, scope)
+                raise
 
     async def _undo_restore(self, checkpoint_id: str, deadline_ts: float, scope: list[str]) -> None:
         replacements = [EpisodeId.from_capture_key(key).next_attempt().capture_key for key in scope]
@@ -613,28 +644,34 @@ class Coordinator:
 
         No episode: no call, 0.
         """
-        keys = _scope_keys(episode_ids)
-        if not keys:
-            return 0
-        body = {
-            "checkpoint_id": checkpoint_id,
-            "deadline_ts": deadline_ts,
-            "episode_ids": [episode_object(key) for key in keys],
-        }
-        return await self._in_retire_order("retire", _encode(body), deadline_ts, counter("retired_count", "retired"))
+        with telemetry.operation("coordinate.retire", **self._traced(checkpoint_id)) as op:
+            keys = _scope_keys(episode_ids)
+            op.set(episodes=len(keys))
+            if not keys:
+                return 0
+            body = {
+                "checkpoint_id": checkpoint_id,
+                "deadline_ts": deadline_ts,
+                "episode_ids": [episode_object(key) for key in keys],
+            }
+            return await self._in_retire_order(
+                "retire", _encode(body), deadline_ts, counter("retired_count", "retired")
+            )
 
     async def forget(self, rollout_ids: Iterable[str], *, checkpoint_id: str, deadline_ts: float) -> int:
         """End the refusal of these rollouts everywhere, in retire's order; return the total count.
 
         No rollout: no call, 0.
         """
-        ids = sorted(set(rollout_ids))
-        if not ids:
-            return 0
-        body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "rollout_ids": ids}
-        return await self._in_retire_order(
-            "forget", _encode(body), deadline_ts, counter("forgotten_count", "forgotten")
-        )
+        with telemetry.operation("coordinate.forget", **self._traced(checkpoint_id)) as op:
+            ids = sorted(set(rollout_ids))
+            op.set(rollouts=len(ids))
+            if not ids:
+                return 0
+            body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "rollout_ids": ids}
+            return await self._in_retire_order(
+                "forget", _encode(body), deadline_ts, counter("forgotten_count", "forgotten")
+            )
 
     async def _in_retire_order(
         self, op: str, encoded: bytes, deadline_ts: float, count: Callable[[str, str, dict[str, Any]], int]

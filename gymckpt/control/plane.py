@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gymckpt import telemetry
 from gymckpt.control.allowed_roots import check_allowed
 from gymckpt.control.models import (
     CommitReply,
@@ -304,16 +305,20 @@ class ControlPlane:
         self.lease_expires_at = None
 
     async def _wait_ready(self, deadline_ts: float) -> None:
-        while not self.participant.ready():
-            remaining = self._remaining(deadline_ts)
-            if remaining <= 0:
-                return
-            self._readiness.clear()
-            if self.participant.ready():
-                return
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await self._readiness.wait()
+        participant = self.participant
+        with telemetry.step("wait_ready", blockers=participant.blocker_count()) as step:
+            while not participant.ready():
+                remaining = self._remaining(deadline_ts)
+                if remaining <= 0:
+                    telemetry.event("prepare_not_ready", participant_kind=participant.kind)
+                    break
+                self._readiness.clear()
+                if participant.ready():
+                    break
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(remaining):
+                        await self._readiness.wait()
+            step.set(ready=participant.ready())
 
     async def renew(self, request: ControlRequest) -> RenewReply:
         """Extend the lease of the open checkpoint (or restore)."""
@@ -407,15 +412,20 @@ class ControlPlane:
             self._export_failed.add(checkpoint.checkpoint_id)
             raise ExportFailed(f"the export failed: {exc}") from exc
         participant = self.participant
-        manifest = await asyncio.to_thread(
-            store.write_participant,
-            "",
-            kind=participant.kind,
-            instance=participant.instance,
-            checkpoint_id=checkpoint.checkpoint_id,
-            records=records,
-            extra=participant.manifest_extra(),
-            stop=checkpoint.stop,
+        with telemetry.step("write", records=len(records)) as step:
+            manifest = await asyncio.to_thread(
+                store.write_participant,
+                "",
+                kind=participant.kind,
+                instance=participant.instance,
+                checkpoint_id=checkpoint.checkpoint_id,
+                records=records,
+                extra=participant.manifest_extra(),
+                stop=checkpoint.stop,
+            )
+            step.set(bytes=manifest.records_bytes)
+        telemetry.volume(
+            "commit", kind=participant.kind, records=manifest.record_count, size_bytes=manifest.records_bytes
         )
         if scope is not None:  # no scope: nothing restored is left out, nothing is deleted
             unscoped = sorted(self._restored_keys.difference(scope))
@@ -444,7 +454,10 @@ class ControlPlane:
         return reply
 
     async def _export(self, scope: list[str] | None) -> list[dict[str, Any]]:
-        return list(await self.participant.export(scope))
+        with telemetry.step("export") as step:
+            records = list(await self.participant.export(scope))
+            step.set(records=len(records))
+        return records
 
     async def resume(self, request: ControlRequest) -> ResumeReply:
         """Reopen admission, cancel an export, wait for cleanup, stop the writer.
@@ -610,12 +623,16 @@ class ControlPlane:
         try:
             try:
                 await participant.close_admission(checkpoint_id)
-                manifest, records = await asyncio.to_thread(
-                    _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
-                )
+                with telemetry.step("read") as step:
+                    manifest, records = await asyncio.to_thread(
+                        _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
+                    )
+                    step.set(records=len(records), bytes=manifest.records_bytes)
             finally:
                 await _close_store(store)
-            await self._install(records, installed_scope, manifest)
+            with telemetry.step("install", records=len(records)):
+                await self._install(records, installed_scope, manifest)
+            telemetry.volume("restore", kind=participant.kind, records=len(records), size_bytes=manifest.records_bytes)
         except BaseException:
             await self._fail_restore()
             raise
@@ -668,14 +685,27 @@ class ControlPlane:
         if self.lease_expires_at is None or self.lease_expires_at > self.clock():
             return False
         deadline_ts = self.clock() + LEASE_RETRY_SECONDS
-        if self._open is not None:
-            logger.warning("lease of checkpoint %s expired: resuming", self._open.checkpoint_id)
-            await self._end_checkpoint(self._open, deadline_ts)
-        elif self._restore is not None and self.phase is Phase.RESTORED:
-            logger.warning("lease of restore %s expired: resuming", self._restore.checkpoint_id)
-            await self._finish_restore(self._restore.checkpoint_id, deadline_ts)
-        else:
+        participant = self.participant
+        expired = self._open.checkpoint_id if self._open is not None else None
+        if expired is None and self._restore is not None and self.phase is Phase.RESTORED:
+            expired = self._restore.checkpoint_id
+        if expired is None:
             self.lease_expires_at = None
+            return True
+        with telemetry.operation(
+            "lease_expired",
+            kind=participant.kind,
+            instance=participant.instance,
+            checkpoint_id=expired,
+            phase=str(self.phase),
+        ):
+            telemetry.event("lease_expired", participant_kind=participant.kind, phase=str(self.phase))
+            if self._open is not None:
+                logger.warning("lease of checkpoint %s expired in phase %s: resuming", expired, self.phase)
+                await self._end_checkpoint(self._open, deadline_ts)
+            else:
+                logger.warning("lease of restore %s expired: resuming", expired)
+                await self._finish_restore(expired, deadline_ts)
         return True
 
     async def close(self) -> None:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse
 
+from gymckpt import telemetry
 from gymckpt.errors import GymckptError, Unauthorized
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ def error_response(exc: GymckptError, *, status: int | None = None) -> JSONRespo
     """The reply for ``exc``: its wire code and detail, its status (or ``status``), and for
     :class:`~gymckpt.errors.Unauthorized` the ``WWW-Authenticate`` challenge."""
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthorized) else None
+    telemetry.refused(exc.code)
     return JSONResponse(error_body(exc.code, str(exc)), status_code=status or exc.status, headers=headers)
 
 

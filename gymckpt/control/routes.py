@@ -10,8 +10,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gymckpt import telemetry
 from gymckpt.control.models import (
     CommitReply,
     CommitRequest,
@@ -32,6 +34,8 @@ from gymckpt.control.responses import error_response, handle_gymckpt_error
 from gymckpt.errors import GymckptError, InvalidRequest, Unauthorized
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from starlette.responses import Response
 
     from gymckpt.control.plane import ControlPlane
@@ -86,6 +90,13 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
             raise Unauthorized("missing or wrong bearer token")
 
     router = APIRouter(prefix=CONTROL_PREFIX, tags=["checkpoint control"], dependencies=[Depends(authorize)])
+    kind, instance = _identity(plane)
+
+    def traced(name: str, checkpoint_id: str) -> AbstractContextManager[telemetry.Operation]:
+        """The operation's SERVER span (continuing the caller's trace), duration metric and INFO line."""
+        return telemetry.operation(
+            name, kind=kind, instance=instance, checkpoint_id=checkpoint_id, span_kind=SpanKind.SERVER
+        )
 
     @router.get("/status", response_model=StatusReply, responses=_ERRORS)
     async def status() -> StatusReply:
@@ -95,33 +106,62 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
 
     @router.post("/prepare", response_model=PrepareReply, responses=_ERRORS)
     async def prepare(request: ControlRequest) -> PrepareReply:
-        return await plane.prepare(request)
+        with traced("prepare", request.checkpoint_id) as op:
+            reply = await plane.prepare(request)
+            blockers = reply.report.blocker_count or len(reply.report.blockers)
+            op.set(phase=str(reply.phase), blockers=blockers, prepared=reply.phase == "prepared")
+            telemetry.prepared(kind=kind, blockers=blockers, in_flight=sum(reply.report.counts.values()))
+            return reply
 
     @router.post("/renew", response_model=RenewReply, responses=_ERRORS)
     async def renew(request: ControlRequest) -> RenewReply:
-        return await plane.renew(request)
+        with traced("renew", request.checkpoint_id) as op:
+            reply = await plane.renew(request)
+            op.set(phase=str(reply.phase))
+            return reply
 
     @router.post("/commit", response_model=CommitReply, responses=_ERRORS)
     async def commit(request: CommitRequest) -> CommitReply:
-        return await plane.commit(request)
+        with traced("commit", request.checkpoint_id) as op:
+            reply = await plane.commit(request)
+            op.set(records=reply.record_count, bytes=reply.records_bytes, episodes=len(reply.episode_ids))
+            return reply
 
     @router.post("/restore", response_model=RestoreReply, responses=_ERRORS)
     async def restore(request: RestoreRequest) -> RestoreReply:
-        return await plane.restore(request)
+        with traced("restore", request.checkpoint_id) as op:
+            reply = await plane.restore(request)
+            op.set(records=len(reply.restored), episodes=len(request.episode_ids))
+            return reply
 
     @router.post("/resume", response_model=ResumeReply, responses=_ERRORS)
     async def resume(request: ControlRequest) -> ResumeReply:
-        return await plane.resume(request)
+        with traced("resume", request.checkpoint_id) as op:
+            reply = await plane.resume(request)
+            op.set(phase=str(reply.phase))
+            return reply
 
     @router.post("/retire", response_model=RetireReply, responses=_ERRORS)
     async def retire(request: RetireRequest) -> RetireReply:
-        return await plane.retire(request)
+        with traced("retire", request.checkpoint_id) as op:
+            reply = await plane.retire(request)
+            op.set(episodes=len(request.episode_ids))
+            return reply
 
     @router.post("/forget", response_model=ForgetReply, responses=_ERRORS)
     async def forget(request: ForgetRequest) -> ForgetReply:
-        return await plane.forget(request)
+        with traced("forget", request.checkpoint_id) as op:
+            reply = await plane.forget(request)
+            op.set(rollouts=len(request.rollout_ids))
+            return reply
 
     return router
+
+
+def _identity(plane: Any) -> tuple[str, str]:
+    """The participant's kind and instance (a worker's plane knows them through its link)."""
+    participant = getattr(plane, "participant", None) or getattr(getattr(plane, "link", None), "participant", None)
+    return str(getattr(participant, "kind", "unknown")), str(getattr(participant, "instance", "unknown"))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -158,5 +198,6 @@ def install_control(app: FastAPI, plane: ControlPlane, token: str) -> None:
     """Add the control routes and the error handlers to ``app``, and stop the lease on shutdown."""
     app.include_router(control_router(plane, token))
     app.add_middleware(ControlAuthMiddleware, token=token)
+    app.add_middleware(telemetry.TraceContextMiddleware)  # outermost: the caller's trace for the whole call
     install_error_handlers(app)
     app.router.on_shutdown.append(plane.close)

@@ -44,10 +44,12 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gymckpt import telemetry
 from gymckpt.control.participant import Participant
 from gymckpt.errors import ControlError, InvalidCheckpointState, StaleAttempt
 from gymckpt.identity import AttemptsUpTo, EpisodeId
@@ -352,12 +354,19 @@ class ModelParticipant(Participant):
             if call.episode is not None
         ]
         self._cut_checkpoint = checkpoint_id
-        try:
-            async with asyncio.timeout(max(0.0, remaining) / 2):
-                acks = await self.cut_source(checkpoint_id, prefixes)
-        except Exception as exc:  # the backend, the network, the deadline: the calls stay held, uncut
-            logger.warning("the generation cut of %d calls failed: %s", len(cuttable), exc)
-            acks = {}
+        with telemetry.step("generation_cut", calls=len(prefixes), again=again) as step:
+            try:
+                async with asyncio.timeout(max(0.0, remaining) / 2):
+                    acks = await self.cut_source(checkpoint_id, prefixes)
+            except Exception as exc:  # the backend, the network, the deadline: the calls stay held, uncut
+                logger.warning("the generation cut of %d calls failed: %s", len(cuttable), exc)
+                acks = {}
+            dispositions = Counter(
+                str((acks.get(call.ticket_id) or {}).get("disposition", "no_ack")) for call in cuttable
+            )
+            step.set(**{f"cut_{name}": count for name, count in dispositions.items()})
+            for name, count in dispositions.items():
+                telemetry.event("generation_cut", count, disposition=name)
         for call in cuttable:
             ack = acks.get(call.ticket_id)
             if ack is not None and ack.get("disposition") == "durable_prefix":

@@ -6,6 +6,8 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from gymckpt import telemetry
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -74,6 +76,8 @@ def app_from_env() -> FastAPI:
     ``GYMCKPT_CHECKPOINT__…`` variables (``GYMCKPT_CHECKPOINT__ENABLED=true``, …).
     """
     kind = os.environ.get(KIND_ENV, "counter")
+    telemetry.setup_logging()  # this worker's own: GYMCKPT_LOG_LEVEL
+    telemetry.configure_from_environment(f"gymckpt-{kind}")
     app, _ = build_server(kind, os.environ.get(CONFIG_ENV) or None)
     return app
 

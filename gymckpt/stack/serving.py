@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gymckpt import telemetry
 from gymckpt.stack.kinds import CONFIG_ENV, KIND_ENV, NOT_GYM, PARTICIPANT_KINDS, build_server, load_config
 
 if TYPE_CHECKING:
@@ -33,17 +34,27 @@ def serve(
     port: int = 8000,
     fd: int | None = None,
     workers: int = 1,
-    log_level: str = "warning",
+    log_level: str | None = None,
 ) -> None:
-    """Serve ``kind`` until interrupted; ``fd`` is an inherited listening socket (else ``host:port``)."""
+    """Serve ``kind`` until interrupted; ``fd`` is an inherited listening socket (else ``host:port``).
+
+    ``log_level`` (default ``GYMCKPT_LOG_LEVEL``, else info) is gymckpt's; uvicorn logs
+    warnings only (its access log only at debug). ``OTEL_*`` variables configure telemetry
+    in this process and in every worker.
+    """
     import uvicorn
 
     if not 1 <= workers <= MAX_WORKERS:
         raise ValueError(f"workers must be between 1 and {MAX_WORKERS}, not {workers}")
+    level = (log_level or os.environ.get(telemetry.LOG_LEVEL_ENV) or "info").lower()
+    telemetry.setup_logging(level)
+    os.environ[telemetry.LOG_LEVEL_ENV] = level  # the workers' own setup reads it
+    telemetry.configure_from_environment(f"gymckpt-{kind}")
+    uvicorn_options = {"log_level": "debug" if level == "debug" else "warning", "access_log": level == "debug"}
     where = {"fd": fd} if fd is not None else {"host": host, "port": port}
     if workers == 1:
         app, _ = build_server(kind, config_file)
-        uvicorn.run(app, log_level=log_level, **where)  # type: ignore[arg-type]
+        uvicorn.run(app, **uvicorn_options, **where)  # type: ignore[arg-type]
         return
     from gymckpt.workers.process import ENV_SOCKET, CoordinatorThread, worker_environment
 
@@ -61,7 +72,7 @@ def serve(
         env[ENV_SOCKET] = str(coordinator.start())
     os.environ.update(env)
     try:
-        uvicorn.run("gymckpt.stack.kinds:app_from_env", factory=True, workers=workers, log_level=log_level, **where)  # type: ignore[arg-type]
+        uvicorn.run("gymckpt.stack.kinds:app_from_env", factory=True, workers=workers, **uvicorn_options, **where)  # type: ignore[arg-type]
     finally:
         if coordinator is not None:
             coordinator.stop()
