@@ -81,24 +81,42 @@ CODE = PREFIX + "code"
 OUTCOME = "outcome"
 
 logger = logging.getLogger("gymckpt.telemetry")
-_tracer = trace.get_tracer(SCOPE, __version__)
-_meter = metrics.get_meter(SCOPE, __version__)
-_duration = _meter.create_histogram(
-    "gym.checkpoint.operation.duration", unit="ms", description="How long a checkpoint operation took"
-)
-_records = _meter.create_counter(
-    "gym.checkpoint.records", unit="{record}", description="Records written (commit) and read (restore)"
-)
-_bytes = _meter.create_counter("gym.checkpoint.bytes", unit="By", description="Record bytes written and read")
-_blockers = _meter.create_histogram(
-    "gym.checkpoint.prepare.blockers", unit="{blocker}", description="Work a prepare waited for"
-)
-_in_flight = _meter.create_gauge(
-    "gym.checkpoint.episodes.in_flight", unit="{episode}", description="Episodes live when a checkpoint opened"
-)
-_events = _meter.create_counter(
-    "gym.checkpoint.events", unit="{event}", description="Refusals, lease expiries, prepares not ready, cuts"
-)
+_INSTRUMENTS: dict[str, Any] = {}
+
+
+def bind(
+    tracer_provider: trace.TracerProvider | None = None, meter_provider: metrics.MeterProvider | None = None
+) -> None:
+    """Record through these providers (default: the global ones, no-ops until an SDK is set).
+
+    For a process that manages its own providers (a trainer, a test with in-memory
+    exporters); the module binds the global ones when imported.
+    """
+    global _tracer  # noqa: PLW0603 (the module's one tracer, rebound as a whole)
+    _tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(SCOPE, __version__)
+    meter = (meter_provider or metrics.get_meter_provider()).get_meter(SCOPE, __version__)
+    _INSTRUMENTS.update(
+        duration=meter.create_histogram(
+            "gym.checkpoint.operation.duration", unit="ms", description="How long a checkpoint operation took"
+        ),
+        records=meter.create_counter(
+            "gym.checkpoint.records", unit="{record}", description="Records written (commit) and read (restore)"
+        ),
+        bytes=meter.create_counter("gym.checkpoint.bytes", unit="By", description="Record bytes written and read"),
+        blockers=meter.create_histogram(
+            "gym.checkpoint.prepare.blockers", unit="{blocker}", description="Work a prepare waited for"
+        ),
+        in_flight=meter.create_gauge(
+            "gym.checkpoint.episodes.in_flight", unit="{episode}", description="Episodes live when a checkpoint opened"
+        ),
+        events=meter.create_counter(
+            "gym.checkpoint.events", unit="{event}", description="Refusals, lease expiries, prepares not ready, cuts"
+        ),
+    )
+
+
+_tracer: trace.Tracer = trace.get_tracer(SCOPE, __version__)
+bind()
 
 #: operation attribute names whose values the INFO line reports, by their short name
 _LOGGED = {"records": RECORDS, "bytes": BYTES, "blockers": BLOCKERS, "episodes": EPISODES, "phase": PHASE}
@@ -165,7 +183,7 @@ def operation(
             raise
         finally:
             seconds = time.perf_counter() - began
-            _duration.record(seconds * 1000, {OPERATION: name, KIND: kind, OUTCOME: op.outcome})
+            _INSTRUMENTS["duration"].record(seconds * 1000, {OPERATION: name, KIND: kind, OUTCOME: op.outcome})
             _log(op, checkpoint_id, kind, instance, seconds)
 
 
@@ -197,21 +215,21 @@ def step(name: str, *, span_kind: SpanKind = SpanKind.INTERNAL, **values: Any) -
 def volume(operation_name: str, *, kind: str, records: int, size_bytes: int | None) -> None:
     """Records and bytes written (commit) or read (restore)."""
     attributes = {OPERATION: operation_name, KIND: kind}
-    _records.add(max(0, records), attributes)
+    _INSTRUMENTS["records"].add(max(0, records), attributes)
     if size_bytes:
-        _bytes.add(max(0, size_bytes), attributes)
+        _INSTRUMENTS["bytes"].add(max(0, size_bytes), attributes)
 
 
 def prepared(*, kind: str, blockers: int, in_flight: int) -> None:
     """What a prepare found: the work it waited for, the episodes live."""
-    _blockers.record(blockers, {KIND: kind})
-    _in_flight.set(in_flight, {KIND: kind})
+    _INSTRUMENTS["blockers"].record(blockers, {KIND: kind})
+    _INSTRUMENTS["in_flight"].set(in_flight, {KIND: kind})
 
 
 def event(name: str, count: int = 1, **values: Any) -> None:
     """An event on the current span and in ``gym.checkpoint.events`` (``code``, ``disposition``, … as attributes)."""
     attributes = {EVENT: name, **{PREFIX + key: value for key, value in values.items() if value is not None}}
-    _events.add(count, attributes)
+    _INSTRUMENTS["events"].add(count, attributes)
     span = trace.get_current_span()
     if span.is_recording():
         span.add_event(name, attributes)
@@ -219,7 +237,7 @@ def event(name: str, count: int = 1, **values: Any) -> None:
 
 def refused(code: str) -> None:
     """A refusal answered on the wire (``gym.checkpoint.events``, ``event=refused``, its ``code``)."""
-    _events.add(1, {EVENT: "refused", CODE: code})
+    _INSTRUMENTS["events"].add(1, {EVENT: "refused", CODE: code})
 
 
 def recording() -> bool:
