@@ -36,6 +36,7 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks.bench_s3 $(BENCH_S3_ARGS)
 	$(BIN)/python -m benchmarks.bench_reference $(BENCH_REFERENCE_ARGS)
 	$(BIN)/python -m benchmarks.bench_workers $(BENCH_WORKERS_ARGS)
+	$(BIN)/python -m benchmarks.bench_telemetry $(BENCH_TELEMETRY_ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks examples

@@ -383,6 +383,9 @@ class ControlPlane:
             )
         if not self.participant.ready():
             self._export_failed.add(checkpoint.checkpoint_id)
+            logger.warning(
+                "checkpoint %s: readiness regressed after prepare; the export failed", checkpoint.checkpoint_id
+            )
             raise ExportFailed("readiness regressed after prepare; resume and prepare a new checkpoint id")
         self.phase = Phase.PREPARED
 
@@ -410,6 +413,7 @@ class ControlPlane:
             raise ExportFailed("the export was cancelled by resume; prepare a new checkpoint id") from None
         except Exception as exc:
             self._export_failed.add(checkpoint.checkpoint_id)
+            logger.warning("checkpoint %s: the export failed: %s", checkpoint.checkpoint_id, exc)
             raise ExportFailed(f"the export failed: {exc}") from exc
         participant = self.participant
         with telemetry.step("write", records=len(records)) as step:
