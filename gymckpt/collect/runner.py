@@ -303,7 +303,9 @@ class Collector:
                 await self._stopped()
         finally:
             if timer is not None:
-                timer.cancel()
+                async with self._checkpoint_lock:  # a checkpoint under way ends (published or not) first
+                    timer.cancel()
+                await asyncio.gather(timer, return_exceptions=True)
 
     async def _unless_stopped(self, work: Any) -> bool:
         """Await ``work`` unless a stop comes first (then ``work`` is cancelled): whether it completed."""
@@ -521,8 +523,9 @@ class Collector:
             self._event(f"forgetting {len(rollouts)} ended rollouts failed: {exc}")
 
     async def _close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
+        async with self._checkpoint_lock:  # a SIGUSR1 checkpoint under way ends first: no half-taken one is left
+            for task in list(self._background):
+                task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
