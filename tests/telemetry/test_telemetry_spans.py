@@ -179,3 +179,93 @@ def test_a_checkpoint_cycle_gives_the_span_tree_its_attributes_and_metrics(
         point for point in points(reader, "gym.checkpoint.events") if point.attributes[telemetry.EVENT] == "refused"
     ]
     assert [(point.attributes[telemetry.CODE], point.value) for point in refusals] == [("stale_checkpoint", 1)]
+
+
+def all_attribute_values(spans: tuple[ReadableSpan, ...], reader: InMemoryMetricReader) -> list[str]:
+    """Every attribute value of every span, span event and metric point, as text."""
+    values = [str(value) for span in spans for value in (span.attributes or {}).values()]
+    values += [str(value) for span in spans for event in span.events for value in (event.attributes or {}).values()]
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics if data is not None else []:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                values += [str(value) for point in metric.data.data_points for value in point.attributes.values()]
+    return values
+
+
+def test_a_commit_to_s3_logs_an_info_line_and_neither_the_token_nor_the_s3_secret_appears(
+    recorded: tuple[InMemorySpanExporter, InMemoryMetricReader],
+    moto_endpoint: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exporter, reader = recorded
+    secret = "s3-secret-7d1f0c2b9e"
+    moto_endpoint.create_bucket("telemetry")
+    options = moto_endpoint.storage_options(secret=secret)
+    settings = load_settings(
+        {
+            "checkpoint": {
+                "enabled": True,
+                "control_auth_token": TOKEN,
+                "allowed_roots": ["s3://telemetry"],
+                "storage_options": options,
+            }
+        }
+    )
+    participant = FakeParticipant("environment", "env-0")
+    participant.start("r-1", {"step": 2})
+    app = FastAPI()
+    install_checkpointing(app, participant, settings)
+
+    async def main() -> None:
+        async with serve_in_loop(app) as url, Coordinator([url], token=TOKEN, storage_options=options) as gym:
+            assert (await gym.discover(require_model=False)).ok
+            deadline = time.time() + 60
+            assert (await gym.prepare("s3-1", deadline)).prepared
+            commits = await gym.commit("s3-1", deadline, "s3://telemetry/s3-1", ["r-1"])
+            await gym.publish("s3://telemetry/s3-1", commits)
+            await gym.resume("s3-1", deadline)
+
+    with caplog.at_level("INFO", logger="gymckpt"):
+        asyncio.run(main())
+    lines = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith("commit s3-1 environment/env-0: ok in ") and "records=1" in line for line in lines), (
+        lines
+    )
+    assert any(line.startswith("coordinate.commit s3-1 controller/coordination: ok") for line in lines), lines
+    text = "\n".join(lines) + "\n".join(caplog.text.splitlines())
+    recorded_values = all_attribute_values(exporter.get_finished_spans(), reader)
+    assert recorded_values, "nothing was recorded"
+    for forbidden in (secret, TOKEN):
+        assert forbidden not in text
+        assert not any(forbidden in value for value in recorded_values)
+
+
+def test_a_lease_that_expires_is_a_span_an_event_and_a_count(
+    recorded: tuple[InMemorySpanExporter, InMemoryMetricReader],
+) -> None:
+    from gymckpt.control.models import ControlRequest
+    from gymckpt.control.plane import ControlPlane
+
+    exporter, reader = recorded
+    now = [1000.0]
+    participant = FakeParticipant("agent", "agent-0")
+    plane = ControlPlane(participant, clock=lambda: now[0], lease_grace_seconds=1.0)
+
+    async def main() -> None:
+        await plane.prepare(ControlRequest(checkpoint_id="lease-1", deadline_ts=now[0] + 5))
+        now[0] += 100  # past the deadline and its grace: the controller is gone
+        assert await plane.expire_lease()
+        await plane.close()
+
+    asyncio.run(main())
+    (span,) = by_name(exporter.get_finished_spans(), "gym.checkpoint.lease_expired")
+    assert span.attributes[telemetry.CHECKPOINT_ID] == "lease-1" and span.attributes[telemetry.KIND] == "agent"
+    assert [event.name for event in span.events] == ["lease_expired"]
+    assert participant.admission_open  # it resumed by itself
+    expired = [
+        point
+        for point in points(reader, "gym.checkpoint.events")
+        if point.attributes[telemetry.EVENT] == "lease_expired"
+    ]
+    assert [point.value for point in expired] == [1]
