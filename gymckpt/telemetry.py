@@ -259,6 +259,19 @@ def extract(headers: Mapping[str, str]) -> otel_context.Context:
     return propagate.extract(headers)
 
 
+@contextmanager
+def continued(carrier: Mapping[str, str] | None) -> Iterator[None]:
+    """Run the block in the trace ``carrier`` (headers or a message field from :func:`inject`) names, if any."""
+    if not carrier or not isinstance(carrier, dict) or "traceparent" not in carrier:
+        yield
+        return
+    token = otel_context.attach(extract(carrier))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 class TraceContextMiddleware:
     """ASGI: continue the caller's trace (its ``traceparent``) for the whole request."""
 

@@ -434,7 +434,8 @@ class ControlPlane:
         if scope is not None:  # no scope: nothing restored is left out, nothing is deleted
             unscoped = sorted(self._restored_keys.difference(scope))
             if unscoped:
-                await participant.delete_restored(unscoped)
+                with telemetry.step("cleanup", episodes=len(unscoped)):
+                    await participant.delete_restored(unscoped)
             self._restored_keys.intersection_update(scope)
         checkpoint.exported = records
         reply = CommitReply(

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from gymckpt import telemetry
 from gymckpt.control.models import PrepareReport
 from gymckpt.control.participant import Participant
 from gymckpt.errors import (
@@ -701,4 +702,5 @@ class WorkerServer:
 
     async def _control(self, body: object) -> Any:
         fields = body if isinstance(body, dict) else {}
-        return await dispatch_control(self.plane, fields.get("operation"), fields.get("body"))
+        with telemetry.continued(fields.get("trace")):  # the worker's SERVER span: the plane's steps join its trace
+            return await dispatch_control(self.plane, fields.get("operation"), fields.get("body"))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from gymckpt import telemetry
 from gymckpt.control.models import (
     CommitReply,
     ForgetReply,
@@ -95,7 +96,7 @@ class RemotePlane:
         deadline_ts = None if request is None else request.deadline_ts
         reply = await channel.request(
             Message.CONTROL,
-            {"operation": operation, "body": body},
+            {"operation": operation, "body": body, "trace": telemetry.inject({})},  # the coordinator continues it
             timeout=deadline_timeout(deadline_ts, clock=self.clock),
         )
         try:
