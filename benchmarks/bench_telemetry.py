@@ -74,7 +74,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from benchmarks.machine import cpu_snapshot, filesystem, others_share
+from benchmarks.machine import cpu_snapshot, filesystem, others_share, positive, warn_if_disturbed
 from benchmarks.report import MB
 from benchmarks.workloads import build_record
 from gymckpt import __version__ as gymckpt_version
@@ -483,22 +483,11 @@ def render(document: dict[str, Any], console: Console) -> None:
     )
     console.print(_table(document))
     share = config["others_cpu_share"]
-    if share == share and share > 0.10:  # not NaN
-        console.print(
-            f"[bold yellow]other processes kept {share:.0%} of the {config['cpus']} CPUs busy — "
-            "figures are disturbed; rerun on a quiet machine[/]"
-        )
+    warn_if_disturbed(console, share, config["cpus"])
     console.print(
         f"[dim]others' CPU share {share:.0%}; load average after: "
         f"{' '.join(f'{value:.2f}' for value in config['load_average'])}; total {config.get('elapsed_s', 0):.0f} s[/]"
     )
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -506,11 +495,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.bench_telemetry",
         description="Time control-plane commit and restore with telemetry off and on (batch, simple span processor).",
     )
-    parser.add_argument("--episodes", type=_positive, default=None, help="episodes held (default 2000, --quick 200)")
+    parser.add_argument("--episodes", type=positive, default=None, help="episodes held (default 2000, --quick 200)")
     parser.add_argument(
-        "--record-bytes", type=_positive, default=2048, help="encoded bytes of each episode's state (default 2048)"
+        "--record-bytes", type=positive, default=2048, help="encoded bytes of each episode's state (default 2048)"
     )
-    parser.add_argument("--reps", type=_positive, default=None, help="repetitions per mode (default 9, --quick 2)")
+    parser.add_argument("--reps", type=positive, default=None, help="repetitions per mode (default 9, --quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of every mode first (default 1)")
     parser.add_argument("--quick", action="store_true", help="200 episodes and 2 repetitions (a smoke run)")
     parser.add_argument(

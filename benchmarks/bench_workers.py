@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from benchmarks.machine import filesystem
+from benchmarks.machine import filesystem, positive, warn_if_disturbed
 from benchmarks.report import MB
 from gymckpt import __version__ as gymckpt_version
 from gymckpt.stack import load_stack
@@ -455,22 +455,11 @@ def render(document: dict[str, Any], console: Console) -> None:
     )
     console.print(_table(document))
     worst = max(row["others_cpu_share"] for row in document["rows"])
-    if worst == worst and worst > 0.10:  # not NaN
-        console.print(
-            f"[bold yellow]other processes kept up to {worst:.0%} of the {config['cpus']} CPUs busy — "
-            "figures are disturbed; rerun on a quiet machine[/]"
-        )
+    warn_if_disturbed(console, worst, config["cpus"], up_to=True)
     console.print(
         f"[dim]load average after: {' '.join(f'{value:.2f}' for value in config['load_average'])}; "
         f"total {config.get('elapsed_s', 0):.0f} s[/]"
     )
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -478,11 +467,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.bench_workers",
         description="Time prepare, commit and restore of many counter sessions on 1, 2 and 4 uvicorn workers.",
     )
-    parser.add_argument("--sessions", type=_positive, default=2000, help="sessions seeded (default 2000)")
-    parser.add_argument("--repeat", type=_positive, default=3, help="repetitions per worker count (default 3)")
-    parser.add_argument("--increments", type=_positive, default=2, help="increments per session (default 2)")
-    parser.add_argument("--in-flight", type=_positive, default=64, help="data requests in flight (default 64)")
-    parser.add_argument("--check", type=_positive, default=20, help="sessions checked after each restore (default 20)")
+    parser.add_argument("--sessions", type=positive, default=2000, help="sessions seeded (default 2000)")
+    parser.add_argument("--repeat", type=positive, default=3, help="repetitions per worker count (default 3)")
+    parser.add_argument("--increments", type=positive, default=2, help="increments per session (default 2)")
+    parser.add_argument("--in-flight", type=positive, default=64, help="data requests in flight (default 64)")
+    parser.add_argument("--check", type=positive, default=20, help="sessions checked after each restore (default 20)")
     parser.add_argument(
         "--workers", default="1,2,4", help="comma-separated worker counts, 1 among them (default 1,2,4)"
     )
@@ -495,7 +484,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", default=None, help="also write the rows to PATH as JSON")
     args = parser.parse_args(argv)
     try:
-        args.workers = sorted({_positive(part.strip()) for part in args.workers.split(",") if part.strip()})
+        args.workers = sorted({positive(part.strip()) for part in args.workers.split(",") if part.strip()})
     except (ValueError, argparse.ArgumentTypeError) as exc:
         parser.error(f"--workers: {exc}")
     if 1 not in args.workers:

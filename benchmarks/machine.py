@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from typing import TYPE_CHECKING
@@ -9,7 +10,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pathlib import Path
 
-__all__ = ["cpu_snapshot", "filesystem", "others_share"]
+    from rich.console import Console
+
+__all__ = ["cpu_snapshot", "filesystem", "others_share", "positive", "warn_if_disturbed"]
+
+#: above this share of the CPUs kept busy by other processes, a run's figures are called disturbed
+DISTURBED_SHARE = 0.10
 
 
 def filesystem(path: str | Path) -> str:
@@ -46,3 +52,20 @@ def others_share(start: tuple[float, float, float], end: tuple[float, float, flo
     wall = end[0] - start[0]
     others = (end[2] - start[2]) - (end[1] - start[1])
     return max(0.0, others / (wall * (os.cpu_count() or 1))) if wall > 0 else float("nan")
+
+
+def warn_if_disturbed(console: Console, share: float, cpus: object, *, up_to: bool = False) -> None:
+    """Say so when other processes kept more than :data:`DISTURBED_SHARE` of the CPUs busy (NaN: unknown)."""
+    if share == share and share > DISTURBED_SHARE:  # not NaN
+        console.print(
+            f"[bold yellow]other processes kept {'up to ' if up_to else ''}{share:.0%} of the {cpus} CPUs busy — "
+            "figures are disturbed; rerun on a quiet machine[/]"
+        )
+
+
+def positive(text: str) -> int:
+    """An ``argparse`` type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value

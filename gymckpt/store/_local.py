@@ -83,6 +83,17 @@ def _not_regular(path: str, mode: int, wanted: str) -> NotRegularFile:
     )
 
 
+def _write_durable(directory: int, name: str, relative: str, data: bytes) -> None:
+    """Create ``name`` (exclusively) in ``directory`` with ``data``, fsynced; errors name ``relative``."""
+    with _os_errors(relative, "write"):
+        fd = os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _write_all(fd: int, data: bytes | memoryview) -> None:
     view = memoryview(data)
     while view:
@@ -368,13 +379,8 @@ class LocalBackend(StorageBackend):
         with self._parent(path, create=True) as (directory, name, relative):
             temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
             try:
+                _write_durable(directory, temp, relative, data)
                 with _os_errors(relative, "write"):
-                    fd = os.open(temp, _CREATE_FLAGS, 0o644, dir_fd=directory)
-                    try:
-                        _write_all(fd, data)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
                     os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
             except BaseException:
                 with suppress(OSError):
@@ -412,13 +418,7 @@ class LocalBackend(StorageBackend):
         with self._parent(path, create=True) as (directory, name, relative):
             temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
             try:
-                with _os_errors(relative, "write"):
-                    fd = os.open(temp, _CREATE_FLAGS, 0o644, dir_fd=directory)
-                    try:
-                        _write_all(fd, data)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                _write_durable(directory, temp, relative, data)
                 try:
                     os.link(temp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
                     created = True
