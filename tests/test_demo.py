@@ -278,3 +278,84 @@ def test_held_model_calls_are_the_completed_ones_and_what_the_model_records_kept
     completed = [{"call_id": "d-0:2"}]
     held = held_model_calls(str(tmp_path / "ck"), {}, ["a-0", "b-0"], completed)
     assert held == {"a-0:0", "a-0:1", "d-0:2"}
+
+
+def test_a_failed_uninterrupted_run_prints_one_line_naming_the_failure_not_a_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15: a reply that is not JSON (a proxy's error page) fails the demo with one line, no table of zeros."""
+    import json
+
+    from gymckpt.stack.harness import RolloutHarness
+
+    original = RolloutHarness.run
+    calls = 0
+
+    async def garbled(self: RolloutHarness, episode_id: str, task: dict[str, object]) -> dict[str, object]:
+        nonlocal calls
+        calls += 1
+        if episode_id.startswith("1-"):
+            raise json.JSONDecodeError("Expecting value", "<html>bad gateway</html>", 0)
+        return await original(self, episode_id, task)
+
+    monkeypatch.setattr(RolloutHarness, "run", garbled)
+    out, table = console()
+    progress, _ = console()
+    outcome = run_demo(
+        rollouts=3,
+        store_url=str(tmp_path / "ckpts"),
+        console=out,
+        progress_console=progress,
+        logs_dir=tmp_path,
+        workers=1,
+        restore_workers=1,
+    )
+    assert outcome.exit_code == EXIT_SETUP
+    assert calls == 3  # the other rollouts ran to their end: one failure does not cancel them
+    printed = table.getvalue().splitlines()
+    assert printed[0].startswith("demo failed: the uninterrupted run failed for 1 of 3 rollouts (e.g. 1-0): ")
+    assert "1 × JSONDecodeError: Expecting value" in printed[0]
+    assert printed[1:] == [f"server logs: {outcome.logs_dir}"]
+    assert "│" not in table.getvalue() and "Traceback" not in table.getvalue()
+    assert_gone(outcome.server_pids)
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept_in_the_logs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gymckpt.demo import full as demo
+
+    async def broken(self: demo._Demo, *args: object) -> object:
+        raise KeyError("a bug in a phase")
+
+    monkeypatch.setattr(demo._Demo, "_launch_until_half_finished", broken)
+    out, table = console()
+    progress, lines = console()
+    outcome = run_demo(
+        rollouts=2, store_url=str(tmp_path / "ckpts"), console=out, progress_console=progress, logs_dir=tmp_path
+    )
+    assert outcome.exit_code == EXIT_DIFFERS
+    first, second = table.getvalue().splitlines()
+    traceback_file = Path(outcome.logs_dir) / "traceback.txt"
+    assert first == f"demo failed: KeyError: 'a bug in a phase' (an unexpected error: its traceback is in {traceback_file})"
+    assert second == f"server logs: {outcome.logs_dir}"
+    assert "_launch_until_half_finished" in traceback_file.read_text()
+    assert "Traceback" not in lines.getvalue() + table.getvalue()
+    assert_gone(outcome.server_pids)
+
+
+def test_failure_summary_counts_the_commonest_reasons() -> None:
+    from gymckpt.demo.report import failure_summary
+
+    replies = [
+        {"result": {"reward": 1.0}, "status": 200},
+        {"failure": {"failure_reason": "resources: server disconnected", "terminal": False}, "status": 200},
+        {"failure": {"failure_reason": "resources: server disconnected", "terminal": False}, "status": 200},
+        ConnectionResetError(104, "Connection reset by peer"),
+        {"body": "<html>\n bad gateway</html>", "status": 502},
+    ]
+    assert failure_summary(replies) == (
+        "2 × resources: server disconnected; 1 × ConnectionResetError: [Errno 104] Connection reset by peer; "
+        "1 × HTTP 502: <html> bad gateway</html>"
+    )
+    assert failure_summary(replies[:1]) == ""

@@ -27,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +43,7 @@ from gymckpt.demo.report import (
     DemoOutcome,
     Progress,
     compare_results,
+    failure_summary,
     mean_reward,
     render,
     render_kept,
@@ -54,7 +56,7 @@ from gymckpt.store import verify
 from gymckpt.store.checkpoint_store import backend_for_url
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine
+    from collections.abc import Callable, Coroutine
 
     from rich.console import Console
 
@@ -71,11 +73,12 @@ _ENDED_RUNS_SECONDS = 10.0
 
 
 class _Failed(Exception):
-    """A phase failed: the message, and the exit code it gives."""
+    """A phase failed: one line naming what failed, the exit code it gives, and the servers' log tails."""
 
-    def __init__(self, message: str, exit_code: int = EXIT_DIFFERS) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, exit_code: int = EXIT_DIFFERS, *, log_tails: str = "") -> None:
+        super().__init__(" ".join(message.split()))
         self.exit_code = exit_code
+        self.log_tails = log_tails
 
 
 def run_demo(
@@ -92,6 +95,9 @@ def run_demo(
     logs_dir: Path | None = None,
     workers: int = 2,
     restore_workers: int = 3,
+    stack_options: dict[str, Any] | None = None,
+    checkpoint_after: float = 0.5,
+    observer: Callable[[str, RolloutHarness], None] | None = None,
 ) -> DemoOutcome:
     """Run the full demo; print progress on ``progress_console`` (default ``console``) and the table.
 
@@ -102,11 +108,22 @@ def run_demo(
     The returned outcome's ``exit_code`` is the process exit status. Every Gym server of the
     interrupted stack runs ``workers`` uvicorn workers and is restarted with ``restore_workers``
     (the uninterrupted reference runs one worker per server).
+
+    ``stack_options`` go to :func:`~gymckpt.stack.harness.default_stack_spec` (the
+    inference backend's ``token_delay_seconds``, the model's ``tool_turns``);
+    ``checkpoint_after`` is the share of rollouts finished when the checkpoint is taken
+    (0.5: half; a smaller share leaves more in flight). ``observer`` is called with
+    an event name and the stack at each phase's edge: ``started:<label>`` once a stack
+    answers, ``checkpoint`` before prepare, ``crash`` before the SIGKILL, ``restored``
+    once the fresh processes answer, and ``continued`` when every rollout has its result
+    (benchmarks sample the servers' processes between them).
     """
     if rollouts < 1:
         raise ValueError("the demo needs at least one rollout")
     if workers < 1 or restore_workers < 1:
         raise ValueError("every Gym server needs at least one worker")
+    if not 0 < checkpoint_after < 1:
+        raise ValueError("checkpoint_after is the share of rollouts finished at the checkpoint: between 0 and 1")
     demo = _Demo(
         rollouts=rollouts,
         store_url=store_url,
@@ -119,6 +136,9 @@ def run_demo(
         logs_dir=logs_dir,
         workers=workers,
         restore_workers=restore_workers,
+        stack_options=stack_options,
+        checkpoint_after=checkpoint_after,
+        observer=observer,
     )
     asyncio.run(demo.run())
     render(demo.outcome, console)
@@ -144,8 +164,14 @@ class _Demo:
         logs_dir: Path | None,
         workers: int = 1,
         restore_workers: int = 1,
+        stack_options: dict[str, Any] | None = None,
+        checkpoint_after: float = 0.5,
+        observer: Callable[[str, RolloutHarness], None] | None = None,
     ) -> None:
         self.progress = progress
+        self.stack_options = dict(stack_options or {})
+        self.checkpoint_after = checkpoint_after
+        self._observer = observer
         self.workers = workers
         self.restore_workers = restore_workers
         self.keep = keep
@@ -175,11 +201,12 @@ class _Demo:
         try:
             await self._phases()
         except _Failed as exc:
+            if exc.log_tails:
+                self.progress.console.print(exc.log_tails.strip("\n"), highlight=False, markup=False)
             self.outcome.error = str(exc)
             self.outcome.exit_code = exc.exit_code
-        except Exception as exc:  # a bug, or something no phase expected: report it, still clean up
-            self.progress.console.print_exception()
-            self.outcome.error = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug, or something no phase expected: one line, the traceback kept in a file
+            self.outcome.error = " ".join(f"{type(exc).__name__}: {exc}".split()) + self._keep_traceback()
             self.outcome.exit_code = EXIT_DIFFERS
         finally:
             await self._cleanup()
@@ -204,6 +231,7 @@ class _Demo:
         runs = await self._launch_until_half_finished(demo)
         in_flight = sorted(key for key, task in runs.items() if not task.done())
         completed_before_prepare = await self._model_calls(demo)
+        self._observe("checkpoint", demo)
         exported = await self._checkpoint(demo, gym, in_flight)
         held_calls = await self._held_calls(exported, completed_before_prepare)
         await self._await_ended_runs(runs, in_flight, exported)
@@ -223,6 +251,7 @@ class _Demo:
         calls_before = await self._model_calls(demo)
         await self._restore(demo, gym, exported)
         finals.update(await self._continue(demo, gym, exported, to_restart))
+        self._observe("continued", demo)
         calls_after = await self._model_calls(demo)
         outcome.model_calls_before_crash, outcome.model_calls_redone = redone_model_calls(
             calls_before, calls_after, exported
@@ -232,6 +261,7 @@ class _Demo:
         outcome.tokens_generated_again, outcome.held_from_first_token = tokens.generated_again, tokens.from_first_token
 
         outcome.lost, outcome.differing = compare_results(reference, finals)
+        outcome.compared = True
         outcome.mean_reward = mean_reward(finals.values())
         if outcome.lost or outcome.differing:
             self.progress(
@@ -296,9 +326,13 @@ class _Demo:
         self.progress(f"uninterrupted run: the reference stack answers after {time.perf_counter() - began:.1f} s")
         durations: dict[str, float] = {}
 
-        async def timed(key: str) -> dict[str, Any]:
+        async def timed(key: str) -> Any:
+            """The reply, or the exception the call raised: one failed call does not end the others."""
             began = time.perf_counter()
-            reply = await stack.run(key, self.tasks[key])
+            try:
+                reply = await stack.run(key, self.tasks[key])
+            except (aiohttp.ClientError, ValueError, OSError) as exc:
+                return exc
             durations[key] = time.perf_counter() - began
             return reply
 
@@ -306,15 +340,21 @@ class _Demo:
         try:
             async with asyncio.timeout(self.timeout):
                 replies = await asyncio.gather(*(timed(key) for key in self.tasks))
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _Failed(f"the uninterrupted run failed: {exc!r}{stack.log_tails()}", EXIT_SETUP) from exc
+        except TimeoutError as exc:
+            raise _Failed(
+                f"the uninterrupted run did not finish within {self.timeout:.0f} s{_logs_showing_errors(stack)}",
+                EXIT_SETUP,
+                log_tails=stack.log_tails(),
+            ) from exc
         self.outcome.uninterrupted_seconds = time.perf_counter() - began
         reference = {key: result_of(reply) for key, reply in zip(self.tasks, replies, strict=True)}
         failed = [key for key, result in reference.items() if result is None]
         if failed:
-            example = replies[list(self.tasks).index(failed[0])]
             raise _Failed(
-                f"the uninterrupted run failed for {len(failed)} rollouts, e.g. {failed[0]}: {example}", EXIT_SETUP
+                f"the uninterrupted run failed for {len(failed)} of {len(self.tasks)} rollouts "
+                f"(e.g. {failed[0]}): {failure_summary(replies)}{_logs_showing_errors(stack)}",
+                EXIT_SETUP,
+                log_tails=stack.log_tails(),
             )
         self.outcome.reference_mean_reward = mean_reward(reference.values())
         self.median_rollout = statistics.median(durations.values())
@@ -348,7 +388,9 @@ class _Demo:
             first_finished.set()
 
         began = time.perf_counter()
-        target = len(self.tasks) // 2
+        target = (
+            min(max(int(len(self.tasks) * self.checkpoint_after), 1), len(self.tasks) - 1) if len(self.tasks) > 1 else 1
+        )
         try:
             async with asyncio.timeout(self.timeout):
                 for index, key in enumerate(self.tasks):
@@ -370,7 +412,9 @@ class _Demo:
         except TimeoutError as exc:
             done = sum(task.done() for task in runs.values())
             raise _Failed(
-                f"only {done} of {len(self.tasks)} rollouts finished within {self.timeout:.0f} s{stack.log_tails()}"
+                f"only {done} of {len(self.tasks)} rollouts finished within {self.timeout:.0f} s"
+                f"{_logs_showing_errors(stack)}",
+                log_tails=stack.log_tails(),
             ) from exc
         done = sum(task.done() for task in runs.values())
         self.progress(
@@ -387,7 +431,9 @@ class _Demo:
                 gym, outcome.checkpoint_id, outcome.checkpoint_dir, in_flight, deadline_seconds=self.timeout
             )
         except Exception as exc:
-            raise _Failed(f"the checkpoint failed: {exc}{stack.log_tails()}") from exc
+            raise _Failed(
+                f"the checkpoint failed: {exc}{_logs_showing_errors(stack)}", log_tails=stack.log_tails()
+            ) from exc
         outcome.prepare_seconds, outcome.commit_seconds = done.prepare_seconds, done.commit_seconds
         outcome.restarts_reported = sorted(done.prepared.restarts())
         environment: ParticipantCommit | None = None
@@ -438,6 +484,7 @@ class _Demo:
     ) -> Coordinator:
         """SIGKILL every Gym server's process group, start fresh ones, wait until they answer."""
         began = time.perf_counter()
+        self._observe("crash", stack)
         await asyncio.to_thread(stack.crash)
         for task in runs.values():
             task.cancel()
@@ -451,6 +498,7 @@ class _Demo:
         self._note_pids(stack)
         fresh = await self._wait_up(stack, "demo (restarted)")
         self.outcome.workers_after = await self._worker_counts(stack, fresh)
+        self._observe("restored", stack)
         self.outcome.restart_seconds = time.perf_counter() - began
         self.progress(
             f"fresh processes on the same ports answer after {self.outcome.restart_seconds:.2f} s, "
@@ -545,6 +593,17 @@ class _Demo:
 
     # --- helpers
 
+    def _keep_traceback(self) -> str:
+        """Write the exception being handled to the logs directory; the note saying where (or nothing)."""
+        if self.workdir is None:
+            return ""
+        path = self.workdir / "traceback.txt"
+        try:
+            path.write_text(traceback.format_exc())
+        except OSError:
+            return ""
+        return f" (an unexpected error: its traceback is in {path})"
+
     async def _worker_counts(self, stack: RolloutHarness, gym: Coordinator) -> dict[str, int]:
         """Each Gym server's linked workers, as its status says (1 for a single process)."""
         counts = {}
@@ -569,6 +628,7 @@ class _Demo:
             storage_options=storage_options or None,
             allowed_roots=self._allowed_roots(),
             workers=workers,
+            **self.stack_options,
         )
         try:
             stack = await RolloutHarness.open(spec, workdir=workdir, request_timeout=self.timeout)
@@ -589,9 +649,18 @@ class _Demo:
         try:
             gym = await stack.wait_ready(timeout=self.timeout)
         except StackNotReady as exc:
-            raise _Failed(f"the {label} stack did not come up: {exc}{stack.log_tails(exc.exited)}", exit_code) from exc
+            raise _Failed(
+                f"the {label} stack did not come up: {exc}{_logs_showing_errors(stack)}",
+                exit_code,
+                log_tails=stack.log_tails(exc.exited),
+            ) from exc
         self.coordinators.append(gym)
+        self._observe(f"started:{label}", stack)
         return gym
+
+    def _observe(self, event: str, stack: RolloutHarness) -> None:
+        if self._observer is not None:
+            self._observer(event, stack)
 
     async def _model_calls(self, stack: RolloutHarness) -> list[dict[str, Any]]:
         """The inference backend's call log; empty if it cannot be read (it only feeds a count)."""
@@ -657,6 +726,19 @@ def _outcome_of(task: asyncio.Task[Any]) -> Any:
     if task.cancelled():
         return "cancelled"
     return task.exception() or task.result()
+
+
+def _logs_showing_errors(stack: RolloutHarness) -> str:
+    """`` (errors in environment.log, …)``: the servers' logs that show an error, to name on the failure line."""
+    names = []
+    for server in stack.stack.servers.values():
+        try:
+            text = server.log_path.read_text(errors="replace")
+        except OSError:
+            continue
+        if "Error" in text or "Traceback" in text:
+            names.append(server.log_path.name)
+    return f" (errors in {', '.join(names)})" if names else ""
 
 
 def _differ(count: int) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "DemoOutcome",
     "Progress",
     "compare_results",
+    "failure_summary",
     "render",
     "render_kept",
 ]
@@ -99,6 +100,8 @@ class DemoOutcome:
     logs_dir: str = ""
     error: str = ""
     exit_code: int = EXIT_OK
+    #: the results were compared with the uninterrupted run's: the table's figures are real
+    compared: bool = False
 
     @property
     def bytes_written(self) -> int:
@@ -118,6 +121,29 @@ def result_of(reply: Any) -> dict[str, Any] | None:
     if isinstance(reply, dict) and isinstance(reply.get("result"), dict) and reply.get("status", 200) == 200:
         return reply["result"]  # type: ignore[no-any-return]
     return None
+
+
+def failure_of(reply: Any) -> str:
+    """Why a ``/run`` reply (or the exception a call raised) holds no result, in a few words."""
+    if isinstance(reply, BaseException):
+        return f"{type(reply).__name__}: {reply}" if str(reply) else type(reply).__name__
+    if isinstance(reply, dict):
+        failure = reply.get("failure")
+        if isinstance(failure, dict) and failure.get("failure_reason"):
+            return str(failure["failure_reason"])
+        for field_name in ("message", "detail", "error", "code", "body"):
+            if reply.get(field_name):
+                return f"HTTP {reply.get('status', '?')}: {reply[field_name]}"
+        return f"HTTP {reply.get('status', '?')} without a result"
+    return str(reply)
+
+
+def failure_summary(replies: Iterable[Any], *, width: int = 160) -> str:
+    """The failures among ``replies`` on one line: how many, and the commonest reasons with their counts."""
+    reasons = Counter(" ".join(failure_of(reply).split())[:width] for reply in replies if result_of(reply) is None)
+    return "; ".join(f"{count} × {reason}" for reason, count in reasons.most_common(3)) + (
+        f"; {len(reasons) - 3} other reasons" if len(reasons) > 3 else ""
+    )
 
 
 def compare_results(
@@ -196,7 +222,14 @@ def _counts(workers: dict[str, int]) -> str:
 
 
 def render(outcome: DemoOutcome, console: Console) -> None:
-    """The table, then where the checkpoint lies and how to check it."""
+    """The table, then where the checkpoint lies and how to check it.
+
+    A demo that failed before its results were compared prints no table (its figures would
+    be zeros), only the line naming what failed and where the servers' logs are.
+    """
+    if outcome.error and not outcome.compared:
+        _render_failure(outcome, console)
+        return
     table = Table(
         title=f"gymckpt demo: {outcome.rollouts} rollout{'' if outcome.rollouts == 1 else 's'}, checkpoint {escape(outcome.checkpoint_id or '–')}"
     )
@@ -279,10 +312,14 @@ def render(outcome: DemoOutcome, console: Console) -> None:
             )
         else:
             console.print(f"check it yourself: gymckpt verify {outcome.checkpoint_dir}", highlight=False, markup=False)
+    _render_failure(outcome, console)
+
+
+def _render_failure(outcome: DemoOutcome, console: Console) -> None:
     if outcome.error:
-        console.print(f"[bold red]demo failed:[/] {escape(outcome.error)}", highlight=False)
+        console.print(f"[bold red]demo failed:[/] {escape(outcome.error)}", highlight=False, soft_wrap=True)
     if outcome.logs_dir and (outcome.exit_code != EXIT_OK or outcome.kept_urls):
-        console.print(f"server logs: {outcome.logs_dir}", highlight=False, markup=False)
+        console.print(f"server logs: {outcome.logs_dir}", highlight=False, markup=False, soft_wrap=True)
 
 
 def render_kept(outcome: DemoOutcome, pids: Mapping[str, int], token: str, console: Console) -> None:
