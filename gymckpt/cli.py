@@ -96,6 +96,29 @@ def _log_level_option(command: Any, default: str | None = None) -> Any:
     )(command)
 
 
+def _set_keep_alive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """``--keep-alive``: the servers' idle-connection timeout, here and in the servers started."""
+    from gymckpt.transport import KEEP_ALIVE_ENV
+
+    if value is not None:
+        os.environ[KEEP_ALIVE_ENV] = repr(value)
+    return value
+
+
+def _keep_alive_option(command: Any) -> Any:
+    from gymckpt.transport import SERVER_KEEP_ALIVE_SECONDS
+
+    return click.option(
+        "--keep-alive",
+        type=click.FloatRange(min=0, min_open=True),
+        expose_value=False,
+        callback=_set_keep_alive,
+        metavar="SECONDS",
+        help="How long a server keeps an idle connection open; gymckpt's clients drop theirs sooner "
+        f"(after at most half of it) [default: GYMCKPT_KEEP_ALIVE, else {SERVER_KEEP_ALIVE_SECONDS:.0f}].",
+    )(command)
+
+
 def _fail(message: str, code: int = EXIT_USAGE, *, error: str = "usage_error") -> NoReturn:
     """Print ``error: message`` on stderr as one line, never read as markup, and exit with ``code``.
 
@@ -441,6 +464,7 @@ def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episod
     help="uvicorn worker processes. Above 1, this process coordinates them: one checkpoint participant "
     "for all of them, and each session's requests routed to the worker that holds it.",
 )
+@_keep_alive_option
 @_log_level_option
 def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None, workers: int) -> None:
     """Run one reference server (inference, model, agent, counter, weather, environment).
@@ -464,6 +488,7 @@ def stack_group() -> None:
 
 @stack_group.command("up", cls=_Command)
 @click.argument("stack_file", type=click.Path(exists=True, dir_okay=False))
+@_keep_alive_option
 @_log_level_option
 def stack_up(stack_file: str) -> None:
     """Start every server of STACK_FILE, each in its own process group, until interrupted."""

@@ -220,7 +220,11 @@ class CoordinationError(GymckptError):
 
 
 class DownstreamError(GymckptError):
-    """A server this one calls (a downstream: agent, model, resources) answered an error status."""
+    """A server this one calls (a downstream: agent, model, resources) answered an error status, or no reply came.
+
+    ``downstream_status`` is the status it answered, 0 when no reply came (a refused connect,
+    a dropped connection: the client's error is the ``__cause__``).
+    """
 
     code = "downstream_error"
     status = 502

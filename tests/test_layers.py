@@ -13,7 +13,7 @@ assert PACKAGE.is_dir(), PACKAGE
 LAYERS = [
     ("errors", "_version"),
     # episode identity: what a record's episode_id means, which the store reads too
-    ("identity", "telemetry", "_otel_sdk"),
+    ("identity", "telemetry", "_otel_sdk", "transport"),
     ("store",),
     ("control",),
     # the collection controller: the coordination API and the store, no server

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from gymckpt import transport
 from gymckpt.collect.checkpoints import CheckpointRoot, PublishedCheckpoint, new_checkpoint_id
 from gymckpt.collect.dataset import Row, load_rows
 from gymckpt.collect.journal import DispatchLog, PriorRun, ResultsFile, dispatch_log_path, ended
@@ -361,10 +362,8 @@ class Collector:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=self.options.run_timeout),
-            )
+            # bounded by the descriptors (transport.pool_limit): rows beyond it wait here, not in a failed connect
+            self._http = transport.client_session(timeout=aiohttp.ClientTimeout(total=self.options.run_timeout))
         return self._http
 
     async def _run_row(self, row: Row, attempt: int) -> None:
@@ -385,7 +384,9 @@ class Collector:
         """The environment's reply; a /run parked by an open checkpoint there is sent again."""
         url = f"{self.options.environment.rstrip('/')}/run"
         for _ in range(PARKED_RETRIES):
-            async with self._client().post(url, json={"episode_id": key, "task": task}) as response:
+            # never sent twice on a dropped connection: a second /run of a running episode is refused
+            sent = {"episode_id": key, "task": task}
+            async with transport.request(self._client(), "POST", url, resend=False, json=sent) as response:
                 body = await response.json(content_type=None)
             if not isinstance(body, dict):
                 return {"failure": {"failure_reason": f"/run answered {response.status}: {body!r}", "terminal": False}}

@@ -6,7 +6,10 @@ resume in reverse; commit everywhere at once; restore all or nothing; retire and
 callers before callees (environment, then agent, then model and resources); renew
 everyone. Control calls use their own aiohttp connection pool, so data calls that hold
 every connection (parked ``/run`` calls) cannot starve them, and each operation's body is
-encoded once.
+encoded once. The pool drops idle connections before the servers' keep-alive ends
+(:mod:`gymckpt.transport`), and a control call whose reused connection the server closed
+before replying is sent once more: every one of them is idempotent with the same body
+(:data:`RESENT_OPERATIONS`).
 
 On the wire the Coordinator speaks the reference stack's shapes: episode ids go out as
 ``{"rollout_id", "attempt"}`` objects, forget sends plain rollout ids, commit sends
@@ -33,7 +36,7 @@ import aiohttp
 import orjson
 from opentelemetry.trace import SpanKind
 
-from gymckpt import errors, telemetry
+from gymckpt import errors, telemetry, transport
 from gymckpt.control.models import Phase, PrepareReply
 from gymckpt.control.replies import ParticipantCommit, ParticipantRestore, counter, failed, parser, reply_error
 from gymckpt.control.routes import CONTROL_PREFIX
@@ -50,6 +53,7 @@ __all__ = [
     "DEFAULT_PROBE_TIMEOUT",
     "KIND_ORDER",
     "NO_POLICY_MODEL",
+    "RESENT_OPERATIONS",
     "Coordinator",
     "DiscoverResult",
     "ParticipantCommit",
@@ -78,6 +82,14 @@ _REFERENCE_POOL_KEYS = {
     "global_aiohttp_control_connector_limit": "connector_limit",
     "global_aiohttp_control_connector_limit_per_host": "connector_limit_per_host",
 }
+
+#: the control calls sent once more when the server closed their reused connection before replying.
+#: Each answers a repeat with the same body as the first: status reads; prepare waits for the
+#: first one's close; renew extends the lease to the same deadline; commit and restore return
+#: the remembered result (C6); a repeated resume is a no-op reply (C7); retire marks again and
+#: frees only what is left (C9); forget drops marks already dropped (its count then reads 0:
+#: the count is informational, the state the same).
+RESENT_OPERATIONS = frozenset({"status", "prepare", "renew", "commit", "resume", "restore", "retire", "forget"})
 
 T = TypeVar("T")
 #: an episode id as callers give it: a capture key, an :class:`EpisodeId`, or ``{"rollout_id", "attempt"}``
@@ -236,7 +248,9 @@ class Coordinator:
     token:
         The control bearer token the servers share.
     connector_limit, connector_limit_per_host:
-        Size of the reserved control connection pool (0: no limit).
+        Size of the reserved control connection pool (0: no limit, as the settings say: a
+        fan-out makes one call per server at a time, so the pool holds about one
+        connection per server).
     probe_timeout:
         Bound of one server's whole discover probe, every try and pause included, in
         seconds. 60 by default, as in the reference stack: a server just restarted behind
@@ -323,8 +337,7 @@ class Coordinator:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             limit, per_host = self._limits
-            connector = aiohttp.TCPConnector(limit=limit, limit_per_host=per_host)
-            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers)
+            self._session = transport.client_session(limit=limit, limit_per_host=per_host, headers=self._headers)
         return self._session
 
     async def close(self) -> None:
@@ -353,12 +366,17 @@ class Coordinator:
         client_timeout = aiohttp.ClientTimeout(total=max(timeout, 0.1))
         with telemetry.step(f"coordinate.{op}.call", span_kind=SpanKind.CLIENT, server=url) as call:
             headers = telemetry.inject({})
+            method = "GET" if body is None else "POST"
             try:
-                if body is None:
-                    response_cm = self._client().get(endpoint, timeout=client_timeout, headers=headers)
-                else:
-                    response_cm = self._client().post(endpoint, data=body, timeout=client_timeout, headers=headers)
-                async with response_cm as response:
+                async with transport.request(
+                    self._client(),
+                    method,
+                    endpoint,
+                    resend=op in RESENT_OPERATIONS,
+                    data=body,
+                    timeout=client_timeout,
+                    headers=headers,
+                ) as response:
                     raw = await response.read()
                     status = response.status
             except TimeoutError as exc:

@@ -12,6 +12,7 @@ import orjson
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from gymckpt import transport
 from gymckpt.control.responses import handle_gymckpt_error
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, read_yaml_file
 from gymckpt.errors import DownstreamError, GymckptError
@@ -51,8 +52,10 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
-    #: data connection pool size towards downstream servers (0: no limit)
-    data_connector_limit: int = Field(default=0, ge=0)
+    #: the data pool's bound towards downstream servers, in all and per host
+    #: (None: :func:`~gymckpt.transport.downstream_pool_limit`; 0: no limit)
+    data_connector_limit: int | None = Field(default=None, ge=0)
+    data_connector_limit_per_host: int | None = Field(default=None, ge=0)
 
 
 def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None = None) -> C:
@@ -77,6 +80,10 @@ def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None 
 class Downstream:
     """Calls to other servers for an episode, on a data pool of their own.
 
+    The pool is bounded in all and per host (``connector_limit``, ``connector_limit_per_host``:
+    None for :func:`~gymckpt.transport.downstream_pool_limit`, 0 for no limit) and closes idle
+    connections before the servers' keep-alive ends (:mod:`gymckpt.transport`).
+
     With checkpointing on, a call made for an episode (given, or the current request's)
     goes to ``/ng-rollout/<capture key><path>``; with it off, to ``<path>`` unchanged with
     the episode named in the ``x-session-id`` header, the reference servers' session.
@@ -92,17 +99,22 @@ class Downstream:
 
     MAX_EPISODE_COOKIES = 65_536
 
-    def __init__(self, *, checkpointing: bool, connector_limit: int = 0) -> None:
+    def __init__(
+        self, *, checkpointing: bool, connector_limit: int | None = None, connector_limit_per_host: int | None = None
+    ) -> None:
         self.checkpointing = checkpointing
-        self._limit = connector_limit
+        self._limits = (connector_limit, connector_limit_per_host)
         self._session: aiohttp.ClientSession | None = None
         #: capture key → server base URL → the session cookie's value
         self._cookies: OrderedDict[str, dict[str, str]] = OrderedDict()
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._limit),
+            default = transport.downstream_pool_limit()
+            limit, per_host = (default if bound is None else bound for bound in self._limits)
+            self._session = transport.client_session(
+                limit=limit,
+                limit_per_host=per_host,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),  # one jar would mix every episode's sessions
             )
@@ -150,9 +162,17 @@ class Downstream:
         return base.rstrip("/") + path
 
     async def post(
-        self, base: str, path: str, body: Any, *, episode: EpisodeId | None = None
+        self, base: str, path: str, body: Any, *, episode: EpisodeId | None = None, resend: bool = False
     ) -> tuple[dict[str, Any], dict[str, str]]:
-        """POST JSON; return the decoded reply and its headers (lower-cased names)."""
+        """POST JSON; return the decoded reply and its headers (lower-cased names).
+
+        An error status raises :class:`DownstreamError` (:meth:`~DownstreamError.answered`),
+        and so does a call that got no reply (a refused connect, a dropped connection: its
+        ``downstream_status`` is 0, the aiohttp error its ``__cause__``). Only with
+        ``resend`` is a call whose reused connection the server closed before replying sent
+        once more (:func:`gymckpt.transport.request`): a rollout's steps are not safe to
+        send twice (a tool call would count twice, a ``/verify`` find its session ended).
+        """
         url = self.url(base, path, episode)
         headers = {"Content-Type": "application/json"}
         episode = episode if episode is not None else current_episode()
@@ -164,14 +184,20 @@ class Downstream:
         relayed = self._relayed(base, episode) if episode is not None else None
         if relayed is not None:
             headers[RELAY_HEADER] = relayed
-        async with self._client().post(url, data=orjson.dumps(body), headers=headers) as response:
-            stamped = response.cookies.get(COOKIE_NAME)
-            if stamped is not None and episode is not None and stamped.value:
-                self._keep_cookie(base, episode, stamped.value)
-            raw = await response.read()
-            headers = {name.lower(): value for name, value in response.headers.items()}
-            if response.status >= 400:
-                raise DownstreamError.answered(url, response.status, raw)
+        try:
+            async with transport.request(
+                self._client(), "POST", url, resend=resend, data=orjson.dumps(body), headers=headers
+            ) as response:
+                stamped = response.cookies.get(COOKIE_NAME)
+                if stamped is not None and episode is not None and stamped.value:
+                    self._keep_cookie(base, episode, stamped.value)
+                raw = await response.read()
+                status = response.status
+                headers = {name.lower(): value for name, value in response.headers.items()}
+        except aiohttp.ClientError as exc:
+            raise DownstreamError(f"{url} gave no reply: {type(exc).__name__}: {exc}", url=url) from exc
+        if status >= 400:
+            raise DownstreamError.answered(url, status, raw)
         return orjson.loads(raw) if raw else {}, headers
 
     async def close(self) -> None:
@@ -251,7 +277,11 @@ def build_app(
     as ``plane``, or one is made here. The app, its middleware and its downstream data pool
     are what each worker process has of its own.
     """
-    downstream = Downstream(checkpointing=config.checkpoint.enabled, connector_limit=config.data_connector_limit)
+    downstream = Downstream(
+        checkpointing=config.checkpoint.enabled,
+        connector_limit=config.data_connector_limit,
+        connector_limit_per_host=config.data_connector_limit_per_host,
+    )
     closers = [downstream.close, *(on_shutdown or [])]
 
     @asynccontextmanager

@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
+from gymckpt import transport
 from gymckpt.control.responses import error_response
 from gymckpt.errors import DownstreamError, GenerationCutMismatch, InferenceFailed, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
@@ -349,7 +350,11 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
     policy = config.checkpoint.enabled and config.checkpoint_policy
     participant = ModelParticipant(config.instance) if policy else None
     # inference is not a Gym server: never add a rollout prefix to its calls
-    inference = Downstream(checkpointing=False, connector_limit=config.data_connector_limit)
+    inference = Downstream(
+        checkpointing=False,
+        connector_limit=config.data_connector_limit,
+        connector_limit_per_host=config.data_connector_limit_per_host,
+    )
     cutter = GenerationCutClient(config.inference_url, config.checkpoint.token, server_name=config.instance)
     app, plane, _ = build_app("gymckpt model", config, participant, on_shutdown=[inference.close, cutter.close])
     app.state.participant = participant
@@ -454,6 +459,10 @@ class GenerationCutClient:
 
     On a connection pool of its own, so a cut is never queued behind the very generations it
     cuts. The receipt is checked: the inventory echoed and every ticket acknowledged once.
+    A cut or release whose reused connection the backend closed before replying is sent once
+    more (:func:`gymckpt.transport.request`): both are idempotent for one checkpoint id (a
+    repeated cut stages the same frozen prefixes again and is checked like the first; a
+    repeated release finds nothing left frozen).
     """
 
     def __init__(self, inference_url: str, token: str, *, server_name: str) -> None:
@@ -471,7 +480,9 @@ class GenerationCutClient:
             "active_prefixes": ordered,
             "inventory_digest": inventory_digest(checkpoint_id, self.server_name, ordered),
         }
-        async with self._client().post(self.url, json=body, headers=self._headers()) as response:
+        async with transport.request(
+            self._client(), "POST", self.url, resend=True, json=body, headers=self._headers()
+        ) as response:
             raw = await response.read()
             if response.status >= 400:
                 raise DownstreamError.answered(self.url, response.status, raw)
@@ -486,8 +497,13 @@ class GenerationCutClient:
 
     async def release(self, checkpoint_id: str) -> None:
         """The checkpoint resumed: the generations it cut decode on."""
-        async with self._client().post(
-            self.url + "/release", json={"checkpoint_id": checkpoint_id}, headers=self._headers()
+        async with transport.request(
+            self._client(),
+            "POST",
+            self.url + "/release",
+            resend=True,
+            json={"checkpoint_id": checkpoint_id},
+            headers=self._headers(),
         ) as response:
             raw = await response.read()
             if response.status >= 400:
@@ -495,7 +511,10 @@ class GenerationCutClient:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+            bound = transport.downstream_pool_limit()
+            self._session = transport.client_session(
+                limit=bound, limit_per_host=bound, timeout=aiohttp.ClientTimeout(total=None)
+            )
         return self._session
 
     def _headers(self) -> dict[str, str]:

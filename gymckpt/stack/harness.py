@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from gymckpt import transport
 from gymckpt.control.coordination import Coordinator
 from gymckpt.stack.supervisor import Stack, load_stack
 
@@ -229,7 +230,7 @@ class RolloutHarness:
         async def up() -> DiscoverResult:
             found = await gym.discover()
             if found.ok:
-                async with self._client().get(f"{self.urls['inference']}/calls") as response:
+                async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
                     await response.read()
                 await every_worker_registered([info.url for info in found.participants])
             return found
@@ -282,20 +283,21 @@ class RolloutHarness:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            # no connection limit: every rollout's /run is in flight at once, as a trainer's are
-            # (aiohttp's default of 100 would hold /run calls beyond the 100th back in the client)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=self.request_timeout)
-            )
+            # a pool as large as the descriptors allow (transport.pool_limit): every rollout's /run
+            # is in flight at once, as a trainer's are, up to that bound (aiohttp's default of 100
+            # would hold /run calls beyond the 100th back in the client)
+            self._session = transport.client_session(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
         return self._session
 
     async def run(self, episode_id: str, task: dict[str, Any]) -> dict[str, Any]:
         """One ``/run`` of the environment server; the reply body (a result or a failure), with its HTTP status.
 
-        A body that is not a JSON object comes back as ``{"body": ..., "status": ...}``.
+        A body that is not a JSON object comes back as ``{"body": ..., "status": ...}``. A
+        ``/run`` is never sent twice (a second one of a running episode is refused).
         """
         url = f"{self.urls['environment']}/run"
-        async with self._client().post(url, json={"episode_id": episode_id, "task": task}) as response:
+        sent = {"episode_id": episode_id, "task": task}
+        async with transport.request(self._client(), "POST", url, resend=False, json=sent) as response:
             body = await response.json(content_type=None)
             if not isinstance(body, dict):
                 body = {"body": body}
@@ -304,11 +306,14 @@ class RolloutHarness:
 
     async def model_calls(self) -> list[dict[str, Any]]:
         """Every generation the inference backend completed, in order."""
-        async with self._client().get(f"{self.urls['inference']}/calls") as response:
+        async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
             return await response.json()  # type: ignore[no-any-return]
 
     async def reset_model_calls(self) -> None:
-        async with self._client().post(f"{self.urls['inference']}/calls/reset") as response:
+        # clearing twice leaves the log as clearing once: safe to send again
+        async with transport.request(
+            self._client(), "POST", f"{self.urls['inference']}/calls/reset", resend=True
+        ) as response:
             await response.read()
 
     # --- checkpoint, crash, restore

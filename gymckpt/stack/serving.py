@@ -6,21 +6,34 @@ routing secret, starts the checkpoint coordinator (checkpointing on) on a thread
 starts the workers from :func:`~gymckpt.stack.kinds.app_from_env` and starts a worker again
 when one dies. Each worker links to the coordinator and routes sessions to their owners
 (:func:`~gymckpt.workers.process.install_worker`).
+
+Connections: uvicorn keeps an idle connection ``keep_alive`` seconds (default
+``GYMCKPT_KEEP_ALIVE``, else :data:`~gymckpt.transport.SERVER_KEEP_ALIVE_SECONDS`, beyond
+every client's idle timeout) and listens with a backlog of
+:data:`~gymckpt.transport.LISTEN_BACKLOG`, so a burst of thousands of connects waits in
+the kernel instead of being dropped. No ``limit_concurrency``: past it uvicorn answers 503,
+which would fail rollouts that can as well wait. At startup the soft descriptor limit is
+raised to the hard one and the server's descriptor budget is logged
+(:func:`check_descriptor_budget`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gymckpt import telemetry
+from gymckpt import telemetry, transport
 from gymckpt.stack.kinds import CONFIG_ENV, KIND_ENV, NOT_GYM, PARTICIPANT_KINDS, build_server, load_config
 
 if TYPE_CHECKING:
+    from gymckpt.servers.base import ServerConfig
     from gymckpt.workers.process import CoordinatorThread
 
-__all__ = ["MAX_WORKERS", "serve"]
+__all__ = ["MAX_WORKERS", "check_descriptor_budget", "downstream_hosts", "serve"]
+
+logger = logging.getLogger(__name__)
 
 #: the most workers one server may run
 MAX_WORKERS = 64
@@ -35,12 +48,15 @@ def serve(
     fd: int | None = None,
     workers: int = 1,
     log_level: str | None = None,
+    keep_alive: float | None = None,
 ) -> None:
     """Serve ``kind`` until interrupted; ``fd`` is an inherited listening socket (else ``host:port``).
 
     ``log_level`` (default ``GYMCKPT_LOG_LEVEL``, else info) is gymckpt's; uvicorn logs
-    warnings only (its access log only at debug). ``OTEL_*`` variables configure telemetry
-    in this process and in every worker.
+    warnings only (its access log only at debug). ``keep_alive`` (default
+    ``GYMCKPT_KEEP_ALIVE``, else 75 s) is how long an idle connection stays open; this
+    process's clients and its workers' keep theirs at most half as long. ``OTEL_*``
+    variables configure telemetry in this process and in every worker.
     """
     import uvicorn
 
@@ -49,8 +65,20 @@ def serve(
     level = (log_level or os.environ.get(telemetry.LOG_LEVEL_ENV) or "info").lower()
     telemetry.setup_logging(level)
     os.environ[telemetry.LOG_LEVEL_ENV] = level  # the workers' own setup reads it
+    if keep_alive is not None:
+        if not keep_alive > 0:
+            raise ValueError(f"keep_alive must be a positive number of seconds, not {keep_alive}")
+        os.environ[transport.KEEP_ALIVE_ENV] = repr(float(keep_alive))  # the workers' clients read it
+    seconds = transport.server_keep_alive()
     telemetry.configure_from_environment(f"gymckpt-{kind}")
-    uvicorn_options = {"log_level": "debug" if level == "debug" else "warning", "access_log": level == "debug"}
+    config = load_config(kind, config_file)
+    check_descriptor_budget(kind, config, workers=workers)
+    uvicorn_options = {
+        "log_level": "debug" if level == "debug" else "warning",
+        "access_log": level == "debug",
+        "timeout_keep_alive": seconds,
+        "backlog": transport.LISTEN_BACKLOG,
+    }
     where = {"fd": fd} if fd is not None else {"host": host, "port": port}
     if workers == 1:
         app, _ = build_server(kind, config_file)
@@ -58,7 +86,6 @@ def serve(
         return
     from gymckpt.workers.process import ENV_SOCKET, CoordinatorThread, worker_environment
 
-    config = load_config(kind, config_file)
     # no participant (checkpointing off, not a Gym server, an auxiliary model): the workers only route sessions
     participant = config.checkpoint.enabled and kind not in NOT_GYM and getattr(config, "checkpoint_policy", True)
     block = config.checkpoint if participant else None
@@ -76,3 +103,73 @@ def serve(
     finally:
         if coordinator is not None:
             coordinator.stop()
+
+
+def downstream_hosts(config: ServerConfig) -> list[str]:
+    """The distinct servers a config names (its ``*_url`` fields): where its data pool connects."""
+    urls = {
+        str(value).rstrip("/")
+        for name, value in config
+        if name.endswith("_url") and isinstance(value, str) and value.strip()
+    }
+    return sorted(urls)
+
+
+def check_descriptor_budget(
+    kind: str,
+    config: ServerConfig,
+    *,
+    workers: int = 1,
+    limits: tuple[int, int] | None = None,
+) -> transport.DescriptorBudget:
+    """Raise the soft descriptor limit to the hard one and log what this server's connections may take.
+
+    The model, per process (each worker has the limit to itself): outbound, the data pool
+    at its bound (the smaller of ``data_connector_limit`` and ``data_connector_limit_per_host``
+    × the servers the config names; default :func:`~gymckpt.transport.downstream_pool_limit`)
+    and :data:`~gymckpt.transport.DESCRIPTOR_RESERVE`; the rest is left for the calls coming
+    in. One INFO line gives the limit and how many calls it can hold; a WARNING names what to
+    change when the pool is unbounded or takes more than it leaves. ``limits`` (soft, hard)
+    stands for the process's own, which are then left as they are (for tests).
+    """
+    soft, hard = transport.raise_descriptor_limit() if limits is None else limits
+    default = transport.downstream_pool_limit(soft)
+    total = default if config.data_connector_limit is None else config.data_connector_limit
+    per_host = default if config.data_connector_limit_per_host is None else config.data_connector_limit_per_host
+    hosts = max(len(downstream_hosts(config)), 1)
+    bounds = [bound for bound in (total, per_host * hosts if per_host else 0) if bound]
+    outbound = min(bounds) if bounds else None
+    budget = transport.DescriptorBudget(limit=soft, hard_limit=hard, outbound=outbound)
+    shown = "unlimited" if soft < 0 else str(soft)
+    logger.info(
+        "%s: descriptor limit %s (hard %s) per process, %d worker(s): %s outbound (%d server(s) downstream) "
+        "+ %d reserved leave %s for calls coming in; listen backlog %d, keep-alive %.0f s",
+        kind,
+        shown,
+        "unlimited" if hard < 0 else hard,
+        workers,
+        outbound if outbound is not None else "unbounded",
+        hosts,
+        budget.reserve,
+        budget.inbound if budget.inbound is not None else "the rest",
+        transport.LISTEN_BACKLOG,
+        transport.server_keep_alive(),
+    )
+    if outbound is None:
+        logger.warning(
+            "%s: the data pool has no bound (data_connector_limit and data_connector_limit_per_host are 0): "
+            "under load its connections may take every descriptor; set either in the server config",
+            kind,
+        )
+    elif not budget.fits:
+        logger.warning(
+            "%s: the data pool's %d connections leave only %d of the descriptor limit %s for calls coming in: "
+            "lower data_connector_limit / data_connector_limit_per_host in the server config (or %s), "
+            "or raise the hard limit (ulimit -Hn)",
+            kind,
+            outbound,
+            budget.inbound,
+            shown,
+            transport.POOL_LIMIT_ENV,
+        )
+    return budget

@@ -18,7 +18,9 @@ A stack file::
 
 ``"{name}"`` in a config value is replaced by that server's base URL; ``workers: N`` runs a
 server as N uvicorn workers (``gymckpt serve KIND --workers N``), and :meth:`Stack.start`
-can start it again with another count.
+can start it again with another count. The servers inherit this process's environment:
+``GYMCKPT_LOG_LEVEL``, ``GYMCKPT_KEEP_ALIVE`` and ``GYMCKPT_POOL_LIMIT`` reach each of them
+(``gymckpt stack up --log-level … --keep-alive …`` sets the first two).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import yaml
 
 from gymckpt.control.settings import read_yaml_file
 from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields
+from gymckpt.transport import LISTEN_BACKLOG
 
 __all__ = ["ServerProcess", "Stack", "load_stack"]
 
@@ -190,7 +193,8 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
             raise ValueError(f"stack entry {entry!r} needs a name and a kind among {', '.join(KINDS)}")
         if name in stack.servers:
             raise ValueError(f"two servers are named {name!r}")
-        sock = socket.create_server((host, int(entry.get("port", 0))), backlog=1024)
+        # the servers' own backlog: connects made while a server (re)starts wait here
+        sock = socket.create_server((host, int(entry.get("port", 0))), backlog=LISTEN_BACKLOG)
         sock.set_inheritable(True)
         log_path = stack.workdir / f"{name}.log"
         workers = entry.get("workers", default_workers)

@@ -1,0 +1,317 @@
+"""HTTP connections that hold at scale: bounded pools, idle timeouts below the servers' keep-alive, one resend.
+
+Every client gymckpt makes (a server's downstream pool, the model server's backend clients,
+the harness, the coordinator, the collector) comes from :func:`client_session`:
+
+- **A bounded pool.** Every pool is bounded per host and in all (one socket, one
+  descriptor each; more requests wait in the pool). A trainer-side client (the harness,
+  the collector, the coordinator) may use the process's descriptors less
+  :data:`DESCRIPTOR_RESERVE` (:func:`pool_limit`, at most :data:`MAX_POOL_LIMIT`): its
+  concurrency is the number of rollouts in flight. A server's calls out stay few beside
+  the calls coming in (:func:`downstream_pool_limit`: :data:`DOWNSTREAM_POOL_LIMIT`, at
+  most a quarter of its descriptors), so an environment server can hold a trainer's
+  16,000 ``/run`` calls while it calls the agent and the resources server on 2,048
+  connections. ``GYMCKPT_POOL_LIMIT`` sets both (0: no limit).
+- **Idle connections dropped before the server drops them.** A pooled connection idle for
+  :func:`client_idle_seconds` is closed, well before the server's keep-alive
+  (:func:`server_keep_alive`: ``GYMCKPT_KEEP_ALIVE``, else :data:`SERVER_KEEP_ALIVE_SECONDS`)
+  and before uvicorn's stock 5 s, so a request never goes out on a connection the server
+  is just closing. At most half the server's keep-alive: the margin covers the server's
+  event loop running late under load.
+- **One resend, where it is safe.** A request whose *reused* connection the server closed
+  before any byte of the reply (:func:`dropped_connection`) is sent once more on another
+  connection, when the caller says it is safe to send twice (:func:`request`, ``resend``;
+  by default only ``GET``, ``HEAD`` and ``OPTIONS``). A fresh connection that drops, a
+  refused connect, a timeout, or a reply cut after it began are never resent.
+
+What is safe to resend is the caller's knowledge: the control plane's calls are (prepare,
+renew, commit, resume, restore, retire and forget repeated with the same body answer as the
+first, SPEC C5-C10), a rollout's data call is not (a tool call would count twice, a
+``/verify`` would find its session ended, ``/run`` would conflict with the run it started).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from types import SimpleNamespace
+
+__all__ = [
+    "CLIENT_IDLE_SECONDS",
+    "DESCRIPTOR_RESERVE",
+    "DOWNSTREAM_POOL_LIMIT",
+    "KEEP_ALIVE_ENV",
+    "LISTEN_BACKLOG",
+    "MAX_POOL_LIMIT",
+    "MIN_POOL_LIMIT",
+    "POOL_LIMIT_ENV",
+    "SAFE_METHODS",
+    "SERVER_KEEP_ALIVE_SECONDS",
+    "DescriptorBudget",
+    "client_idle_seconds",
+    "client_session",
+    "descriptor_limits",
+    "downstream_pool_limit",
+    "dropped_connection",
+    "pool_limit",
+    "raise_descriptor_limit",
+    "request",
+    "server_keep_alive",
+]
+
+logger = logging.getLogger(__name__)
+
+#: the variable that sets the reference servers' keep-alive (``--keep-alive``), in seconds
+KEEP_ALIVE_ENV = "GYMCKPT_KEEP_ALIVE"
+#: the variable that sets every pool's bound, per host and in all (0: no limit)
+POOL_LIMIT_ENV = "GYMCKPT_POOL_LIMIT"
+#: how long a reference server keeps an idle connection open (uvicorn's own default is 5 s);
+#: longer than any common client's idle timeout (aiohttp 15 s, httpx 5 s), as proxies do
+SERVER_KEEP_ALIVE_SECONDS = 75.0
+#: the longest a client keeps an idle pooled connection: below uvicorn's stock 5 s keep-alive
+CLIENT_IDLE_SECONDS = 4.0
+#: the reference servers' listen backlog (the kernel caps it at ``net.core.somaxconn``)
+LISTEN_BACKLOG = 16_384
+#: descriptors kept aside for everything but pooled connections: files, pipes, logs, the store
+DESCRIPTOR_RESERVE = 256
+MIN_POOL_LIMIT = 64
+#: a server's downstream pool: beyond a few thousand connections two cores serve no more calls at once
+DOWNSTREAM_POOL_LIMIT = 2048
+#: one source address reaches one host:port through about 28,000 ephemeral ports at most
+MAX_POOL_LIMIT = 16_384
+#: methods sent once more without being told: they change nothing (RFC 9110 safe methods)
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {raw!r}")
+    return value
+
+
+def server_keep_alive() -> float:
+    """The reference servers' keep-alive in seconds: ``GYMCKPT_KEEP_ALIVE``, else :data:`SERVER_KEEP_ALIVE_SECONDS`."""
+    raw = os.environ.get(KEEP_ALIVE_ENV, "").strip()
+    return _positive_float(KEEP_ALIVE_ENV, raw) if raw else SERVER_KEEP_ALIVE_SECONDS
+
+
+def client_idle_seconds(keep_alive: float | None = None) -> float:
+    """How long a pooled connection may idle: :data:`CLIENT_IDLE_SECONDS`, at most half the server's keep-alive."""
+    return min(CLIENT_IDLE_SECONDS, (server_keep_alive() if keep_alive is None else keep_alive) / 2)
+
+
+def descriptor_limits() -> tuple[int, int]:
+    """This process's ``RLIMIT_NOFILE`` (soft, hard); -1 is unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft, hard
+
+
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit where allowed; return (soft, hard) after.
+
+    Child processes (a server's workers) inherit the raised limit.
+    """
+    soft, hard = descriptor_limits()
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # an unlimited hard limit, or a kernel ceiling below it
+            logger.debug("could not raise the descriptor limit from %d to %d: %s", soft, hard, exc)
+        soft, hard = descriptor_limits()
+    return soft, hard
+
+
+def _pool_limit_from_environment() -> int | None:
+    raw = os.environ.get(POOL_LIMIT_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ValueError(f"{POOL_LIMIT_ENV} must be an integer >= 0 (0: no limit), not {raw!r}")
+    return int(raw)
+
+
+def _descriptors(descriptors: int | None) -> int:
+    return descriptor_limits()[0] if descriptors is None else descriptors
+
+
+def pool_limit(descriptors: int | None = None) -> int:
+    """A trainer-side client's pool bound, per host and in all (0: no limit).
+
+    ``GYMCKPT_POOL_LIMIT`` when set; else ``descriptors`` (default: this process's soft
+    limit) less :data:`DESCRIPTOR_RESERVE`, clamped to [:data:`MIN_POOL_LIMIT`,
+    :data:`MAX_POOL_LIMIT`].
+    """
+    configured = _pool_limit_from_environment()
+    if configured is not None:
+        return configured
+    descriptors = _descriptors(descriptors)
+    if descriptors < 0:  # RLIM_INFINITY
+        return MAX_POOL_LIMIT
+    return max(MIN_POOL_LIMIT, min(MAX_POOL_LIMIT, descriptors - DESCRIPTOR_RESERVE))
+
+
+def downstream_pool_limit(descriptors: int | None = None) -> int:
+    """A server's downstream pool bound, per host and in all (0: no limit).
+
+    ``GYMCKPT_POOL_LIMIT`` when set; else :data:`DOWNSTREAM_POOL_LIMIT`, at most a quarter
+    of ``descriptors`` (default: this process's soft limit), at least :data:`MIN_POOL_LIMIT`.
+    """
+    configured = _pool_limit_from_environment()
+    if configured is not None:
+        return configured
+    descriptors = _descriptors(descriptors)
+    if descriptors < 0:
+        return DOWNSTREAM_POOL_LIMIT
+    return max(MIN_POOL_LIMIT, min(DOWNSTREAM_POOL_LIMIT, descriptors // 4))
+
+
+@dataclass(frozen=True)
+class DescriptorBudget:
+    """What a server's descriptors leave for the connections coming in, by a simple stated model.
+
+    Its ``outbound`` connections (its pools at their bounds; None: unbounded) and
+    :data:`DESCRIPTOR_RESERVE` for files, pipes and logs are taken from ``limit``; what is
+    left is :attr:`inbound`, the calls it can hold at once (for an environment server, the
+    rollouts in flight). It fits when that is at least as many as it sends out.
+    """
+
+    limit: int
+    hard_limit: int
+    outbound: int | None
+    reserve: int = DESCRIPTOR_RESERVE
+
+    @property
+    def inbound(self) -> int | None:
+        """The connections left for callers (None: the pools are unbounded, or the limit is)."""
+        if self.outbound is None or self.limit < 0:
+            return None
+        return self.limit - self.outbound - self.reserve
+
+    @property
+    def fits(self) -> bool:
+        if self.outbound is None:
+            return False
+        inbound = self.inbound
+        return inbound is None or inbound >= self.outbound
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    """Counts each request's connections and notes whether the last one was reused (see :func:`request`)."""
+    config = aiohttp.TraceConfig()
+
+    async def reused(session: aiohttp.ClientSession, context: SimpleNamespace, params: Any) -> None:
+        attempt = context.trace_request_ctx
+        if isinstance(attempt, _Attempt):
+            attempt.connections += 1
+            attempt.reused = True
+
+    async def created(session: aiohttp.ClientSession, context: SimpleNamespace, params: Any) -> None:
+        attempt = context.trace_request_ctx
+        if isinstance(attempt, _Attempt):
+            attempt.connections += 1
+            attempt.reused = False
+
+    config.on_connection_reuseconn.append(reused)
+    config.on_connection_create_end.append(created)
+    return config
+
+
+class _Attempt:
+    """One :func:`request`'s connections, as the trace config saw them."""
+
+    __slots__ = ("connections", "reused")
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.reused = False
+
+
+def client_session(
+    *,
+    limit: int | None = None,
+    limit_per_host: int | None = None,
+    idle_seconds: float | None = None,
+    **session_options: Any,
+) -> aiohttp.ClientSession:
+    """A client session on a bounded pool whose idle connections close before the server closes them.
+
+    ``limit`` and ``limit_per_host`` default to :func:`pool_limit` (0: no limit);
+    ``idle_seconds`` to :func:`client_idle_seconds`. Other options go to
+    :class:`aiohttp.ClientSession` (``timeout``, ``headers``, ``cookie_jar``, …). Send
+    through :func:`request` to get the one resend.
+    """
+    default = pool_limit() if limit is None or limit_per_host is None else 0
+    connector = aiohttp.TCPConnector(
+        limit=default if limit is None else limit,
+        limit_per_host=default if limit_per_host is None else limit_per_host,
+        keepalive_timeout=client_idle_seconds() if idle_seconds is None else idle_seconds,
+    )
+    traces = [*session_options.pop("trace_configs", []), _trace_config()]
+    return aiohttp.ClientSession(connector=connector, trace_configs=traces, **session_options)
+
+
+def dropped_connection(exc: BaseException) -> bool:
+    """True when the server closed the connection before any byte of the reply.
+
+    ``ServerDisconnectedError``, a reset connection, or a write into a closed one
+    (``ECONNRESET``, ``EPIPE``); never a refused connect (that connection never was).
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientConnectionResetError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+
+
+def _where(url: str) -> str:
+    """``scheme://host:port/path`` of ``url``: no query, no credentials."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
+@asynccontextmanager
+async def request(
+    session: aiohttp.ClientSession, method: str, url: str, *, resend: bool | None = None, **options: Any
+) -> AsyncIterator[aiohttp.ClientResponse]:
+    """``session.request(method, url, **options)`` as a context manager, sent once more where safe.
+
+    When the connection the request went out on was a reused one and the server closed it
+    before any byte of the reply (:func:`dropped_connection`), the request is sent once
+    more, on another connection, if ``resend`` (default: the method is one of
+    :data:`SAFE_METHODS`). Once in all: aiohttp sends a ``GET`` again by itself in that
+    case, and then this does not. The resend is logged at INFO (method, host, path). A body
+    must be bytes (or JSON), not a stream. Anything else is raised as aiohttp raised it.
+    """
+    if resend is None:
+        resend = method.upper() in SAFE_METHODS
+    attempt = _Attempt()
+    try:
+        response = await session.request(method, url, trace_request_ctx=attempt, **options)
+    except aiohttp.ClientError as exc:
+        if not (resend and attempt.reused and attempt.connections == 1 and dropped_connection(exc)):
+            raise
+        logger.info(
+            "%s %s: the server closed the reused connection before replying (%s); sending it once more",
+            method.upper(),
+            _where(url),
+            type(exc).__name__,
+        )
+        response = await session.request(method, url, **options)
+    async with response:
+        yield response
