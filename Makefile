@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench bench-scale lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks.bench_reference $(BENCH_REFERENCE_ARGS)
 	$(BIN)/python -m benchmarks.bench_workers $(BENCH_WORKERS_ARGS)
 	$(BIN)/python -m benchmarks.bench_telemetry $(BENCH_TELEMETRY_ARGS)
+
+# the reference stack at 16,000 rollouts (BENCH_SCALE_ARGS="--rollouts 2000 --workers 1" for a short run):
+# checkpoint, SIGKILL, restore, continue, once with one and once with two workers per server
+bench-scale: $(DEV_STAMP)
+	$(BIN)/python -m benchmarks.bench_scale $(BENCH_SCALE_ARGS)
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks examples
