@@ -108,6 +108,8 @@ class ScaleRun:
     total_seconds: float = 0.0
     records: int = 0
     bytes_written: int = 0
+    #: the coordinator's spans: each prepare stage's seconds (environment, model, agent, resources)
+    prepare_stages: dict[str, float] = field(default_factory=dict)
     servers: dict[str, ServerFigures] = field(default_factory=dict)
 
 
@@ -249,8 +251,40 @@ class ServerSampler:
         self._profilers = {}
 
 
+class CoordinatorSpans:
+    """The coordinator's own spans, kept in memory (the OpenTelemetry SDK of the dev extras), if it is installed."""
+
+    def __init__(self) -> None:
+        self.exporter: Any = None
+        try:
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+            from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        except ImportError:
+            return
+        from gymckpt import telemetry
+
+        self.exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        telemetry.bind(tracer_provider=provider)
+
+    def prepare_stages(self) -> dict[str, float]:
+        """Seconds of each ``coordinate.prepare.<kind>`` stage of the last prepare; clears what was kept."""
+        if self.exporter is None:
+            return {}
+        stages = {}
+        prefix = "gym.checkpoint.coordinate.prepare."
+        for span in self.exporter.get_finished_spans():
+            if span.name.startswith(prefix) and not span.name.endswith(".call") and span.end_time and span.start_time:
+                stages[span.name[len(prefix) :]] = (span.end_time - span.start_time) / 1e9
+        self.exporter.clear()
+        return stages
+
+
 def run_once(args: argparse.Namespace, workers: int, root: Path, console: Console) -> ScaleRun:
     """One demo run at ``workers`` workers per Gym server (before and after the crash)."""
+    spans = CoordinatorSpans()
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-scale-{workers}w-", dir=root))
     sampler = ServerSampler(args.sample_seconds, profile=args.profile, workdir=workdir)
     sampler.start()
@@ -274,6 +308,7 @@ def run_once(args: argparse.Namespace, workers: int, root: Path, console: Consol
         quiet.file.close()
     run = _figures(outcome, workers)
     run.servers = sampler.figures
+    run.prepare_stages = spans.prepare_stages()
     if run.ok and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     elif not run.ok:
@@ -323,6 +358,7 @@ def render(runs: list[ScaleRun], console: Console) -> None:
         ("started over", lambda r: f"{r.restarted:,}"),
         ("lost / differing", lambda r: f"{r.lost} / {r.differing}"),
         (f"prepare s (≤ {TARGETS['prepare']})", lambda r: _mark(r.prepare_seconds, TARGETS["prepare"])),
+        ("prepare by stage s", lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r.prepare_stages.items()) or "–"),
         (f"commit s (≤ {TARGETS['commit']})", lambda r: _mark(r.commit_seconds, TARGETS["commit"])),
         (f"restore s (≤ {TARGETS['restore']})", lambda r: _mark(r.restore_seconds, TARGETS["restore"])),
         ("records / bytes written", lambda r: f"{r.records:,} / {r.bytes_written:,}"),

@@ -8,10 +8,10 @@ the harness, the coordinator, the collector) comes from :func:`client_session`:
   the collector, the coordinator) may use the process's descriptors less
   :data:`DESCRIPTOR_RESERVE` (:func:`pool_limit`, at most :data:`MAX_POOL_LIMIT`): its
   concurrency is the number of rollouts in flight. A server's calls out stay few beside
-  the calls coming in (:func:`downstream_pool_limit`: :data:`DOWNSTREAM_POOL_LIMIT`, at
-  most a quarter of its descriptors), so an environment server can hold a trainer's
-  16,000 ``/run`` calls while it calls the agent and the resources server on 2,048
-  connections. ``GYMCKPT_POOL_LIMIT`` sets both (0: no limit).
+  the calls coming in (:func:`downstream_pool_limit` per host: :data:`DOWNSTREAM_POOL_LIMIT`,
+  at most an eighth of its descriptors), so an environment server can hold a trainer's
+  16,000 ``/run`` calls while it calls the agent and the resources server on 1,024
+  connections each. ``GYMCKPT_POOL_LIMIT`` sets both (0: no limit).
 - **Idle connections dropped before the server drops them.** A pooled connection idle for
   :func:`client_idle_seconds` is closed, well before the server's keep-alive
   (:func:`server_keep_alive`: ``GYMCKPT_KEEP_ALIVE``, else :data:`SERVER_KEEP_ALIVE_SECONDS`)
@@ -86,8 +86,8 @@ LISTEN_BACKLOG = 16_384
 #: descriptors kept aside for everything but pooled connections: files, pipes, logs, the store
 DESCRIPTOR_RESERVE = 256
 MIN_POOL_LIMIT = 64
-#: a server's downstream pool: beyond a few thousand connections two cores serve no more calls at once
-DOWNSTREAM_POOL_LIMIT = 2048
+#: a server's downstream pool per host: beyond a thousand connections two cores serve no more calls at once
+DOWNSTREAM_POOL_LIMIT = 1024
 #: one source address reaches one host:port through about 28,000 ephemeral ports at most
 MAX_POOL_LIMIT = 16_384
 #: methods sent once more without being told: they change nothing (RFC 9110 safe methods)
@@ -168,7 +168,7 @@ def pool_limit(descriptors: int | None = None) -> int:
 def downstream_pool_limit(descriptors: int | None = None) -> int:
     """A server's downstream pool bound, per host and in all (0: no limit).
 
-    ``GYMCKPT_POOL_LIMIT`` when set; else :data:`DOWNSTREAM_POOL_LIMIT`, at most a quarter
+    ``GYMCKPT_POOL_LIMIT`` when set; else :data:`DOWNSTREAM_POOL_LIMIT`, at most an eighth
     of ``descriptors`` (default: this process's soft limit), at least :data:`MIN_POOL_LIMIT`.
     """
     configured = _pool_limit_from_environment()
@@ -177,7 +177,7 @@ def downstream_pool_limit(descriptors: int | None = None) -> int:
     descriptors = _descriptors(descriptors)
     if descriptors < 0:
         return DOWNSTREAM_POOL_LIMIT
-    return max(MIN_POOL_LIMIT, min(DOWNSTREAM_POOL_LIMIT, descriptors // 4))
+    return max(MIN_POOL_LIMIT, min(DOWNSTREAM_POOL_LIMIT, descriptors // 8))
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
-    #: the data pool's bound towards downstream servers, in all and per host
-    #: (None: :func:`~gymckpt.transport.downstream_pool_limit`; 0: no limit)
+    #: the data pool's bound towards downstream servers in all (None or 0: none beyond the bound per host)
     data_connector_limit: int | None = Field(default=None, ge=0)
+    #: and per host (None: :func:`~gymckpt.transport.downstream_pool_limit`; 0: no limit)
     data_connector_limit_per_host: int | None = Field(default=None, ge=0)
 
 
@@ -80,8 +80,10 @@ def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None 
 class Downstream:
     """Calls to other servers for an episode, on a data pool of their own.
 
-    The pool is bounded in all and per host (``connector_limit``, ``connector_limit_per_host``:
-    None for :func:`~gymckpt.transport.downstream_pool_limit`, 0 for no limit) and closes idle
+    The pool is bounded per host (``connector_limit_per_host``: None for
+    :func:`~gymckpt.transport.downstream_pool_limit`, 0 for no limit), in all only when
+    ``connector_limit`` is set (a shared bound would queue the short calls to one host, a
+    resources server's ``/verify``, behind the long ones to another), and closes idle
     connections before the servers' keep-alive ends (:mod:`gymckpt.transport`).
 
     With checkpointing on, a call made for an episode (given, or the current request's)
@@ -110,8 +112,10 @@ class Downstream:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            default = transport.downstream_pool_limit()
-            limit, per_host = (default if bound is None else bound for bound in self._limits)
+            # by default bounded per host only: a slow host's calls never queue another host's behind them
+            limit, per_host = self._limits
+            limit = 0 if limit is None else limit
+            per_host = transport.downstream_pool_limit() if per_host is None else per_host
             self._session = transport.client_session(
                 limit=limit,
                 limit_per_host=per_host,

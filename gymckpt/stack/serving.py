@@ -125,17 +125,18 @@ def check_descriptor_budget(
     """Raise the soft descriptor limit to the hard one and log what this server's connections may take.
 
     The model, per process (each worker has the limit to itself): outbound, the data pool
-    at its bound (the smaller of ``data_connector_limit`` and ``data_connector_limit_per_host``
-    × the servers the config names; default :func:`~gymckpt.transport.downstream_pool_limit`)
+    at its bound (``data_connector_limit_per_host``, default
+    :func:`~gymckpt.transport.downstream_pool_limit`, × the servers the config names, or
+    ``data_connector_limit`` where that is smaller)
     and :data:`~gymckpt.transport.DESCRIPTOR_RESERVE`; the rest is left for the calls coming
     in. One INFO line gives the limit and how many calls it can hold; a WARNING names what to
     change when the pool is unbounded or takes more than it leaves. ``limits`` (soft, hard)
     stands for the process's own, which are then left as they are (for tests).
     """
     soft, hard = transport.raise_descriptor_limit() if limits is None else limits
-    default = transport.downstream_pool_limit(soft)
-    total = default if config.data_connector_limit is None else config.data_connector_limit
-    per_host = default if config.data_connector_limit_per_host is None else config.data_connector_limit_per_host
+    total = config.data_connector_limit or 0
+    per_host = config.data_connector_limit_per_host
+    per_host = transport.downstream_pool_limit(soft) if per_host is None else per_host
     hosts = max(len(downstream_hosts(config)), 1)
     bounds = [bound for bound in (total, per_host * hosts if per_host else 0) if bound]
     outbound = min(bounds) if bounds else None

@@ -319,9 +319,9 @@ def test_pools_default_to_the_descriptors_and_an_idle_timeout_below_the_keep_ali
     assert transport.pool_limit(1256) == 1000
     assert transport.pool_limit(100) == transport.MIN_POOL_LIMIT
     assert transport.pool_limit(10**7) == transport.MAX_POOL_LIMIT
-    # a server's calls out: a quarter of its descriptors, at most DOWNSTREAM_POOL_LIMIT
-    assert transport.downstream_pool_limit(1256) == 314
-    assert transport.downstream_pool_limit(20_000) == transport.DOWNSTREAM_POOL_LIMIT == 2048
+    # a server's calls out, per host: an eighth of its descriptors, at most DOWNSTREAM_POOL_LIMIT
+    assert transport.downstream_pool_limit(1256) == 157
+    assert transport.downstream_pool_limit(20_000) == transport.DOWNSTREAM_POOL_LIMIT == 1024
     assert transport.downstream_pool_limit(100) == transport.MIN_POOL_LIMIT
     assert transport.server_keep_alive() == transport.SERVER_KEEP_ALIVE_SECONDS
     assert transport.client_idle_seconds() < transport.server_keep_alive() / 2
@@ -350,7 +350,7 @@ def _environment(**fields: Any) -> EnvironmentConfig:
 def test_the_startup_check_logs_the_limit_and_the_budget(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="gymckpt.stack.serving"):
         budget = check_descriptor_budget("environment", _environment(), limits=(1256, 4096))
-    # a quarter of 1256 is the pool's bound in all: 314 out and 256 reserved leave 686 for calls coming in
+    # an eighth of 1256 per host, 2 hosts: 314 out and 256 reserved leave 686 for calls coming in
     assert (budget.outbound, budget.inbound, budget.fits) == (314, 686, True)
     lines = [(record.levelno, record.getMessage()) for record in caplog.records]
     assert len(lines) == 1 and lines[0][0] == logging.INFO
