@@ -27,7 +27,10 @@ demo: $(STAMP)
 # two test processes, each taking whole files (a module's server stack stays in one process);
 # PYTEST_ARGS="-n 0" runs them in this process, one after another
 PYTEST_ARGS ?= -n 2 --dist loadfile
+# tests/sharedfs needs MooseFS and s3fs from Debian: installed here when missing (as root); otherwise
+# those tests are skipped, saying what to install (and fail where GYMCKPT_REQUIRE_SHAREDFS is set, as in CI)
 test: $(DEV_STAMP)
+	@.ci/sharedfs-deps || echo "make test: the shared-filesystem tests will be skipped (see above)"
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # local store against its primitives and peers, then S3 (an embedded moto server) against raw s3fs

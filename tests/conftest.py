@@ -40,6 +40,7 @@ LONG_FILES_FIRST = (
     "tests/test_docs.py",
     "tests/conformance/",
     "tests/telemetry/test_telemetry_process.py",
+    "tests/sharedfs/",
 )
 
 

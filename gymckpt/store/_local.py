@@ -16,12 +16,18 @@ import stat
 from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
-from gymckpt.errors import ManifestConflict, NotRegularFile, StorageError, UnusableDirectory
+from gymckpt.errors import ManifestConflict, NotRegularFile, StorageError, UnsupportedStorage, UnusableDirectory
 from gymckpt.store.backend import BlobSink, EntryKind, StorageBackend, join, safe_relative_path
+from gymckpt.store.capabilities import (
+    ALLOW_NO_LINK_ENV,
+    LINK_CAPABILITY,
+    allow_no_link_from_environment,
+    link_unsupported,
+)
 from gymckpt.store.layout import TEMP_PREFIX
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
     from typing import BinaryIO
 
 __all__ = ["TEMP_PREFIX", "LocalBackend"]
@@ -94,11 +100,44 @@ def _write_durable(directory: int, name: str, relative: str, data: bytes) -> Non
             os.close(fd)
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
+def _write_all(fd: int, data: bytes | memoryview) -> int:
+    """Write all of ``data``; return how many bytes that was."""
+    view = memoryview(data).cast("B")
+    size = len(view)
     while view:
         written = os.write(fd, view)
         view = view[written:]
+    return size
+
+
+#: sync_file_range(2)'s flag that starts the writeback of a range and returns without waiting for it
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _find_writeback() -> Callable[[int, int, int], object] | None:
+    """``start(fd, offset, count)``: Linux's ``sync_file_range(..., SYNC_FILE_RANGE_WRITE)`` (from ``os``
+    where it has it, else from libc through ctypes); None elsewhere.
+
+    A sink starts the writeback of each chunk it wrote while the next one is being encoded,
+    so the final fsync finds little left to write. Only a head start: the fsync is still what
+    makes the file durable, and an error here (a filesystem that does not support it) is ignored.
+    """
+    if hasattr(os, "sync_file_range"):  # not in CPython's os up to 3.13
+        return lambda fd, offset, count: os.sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (ImportError, OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return lambda fd, offset, count: function(fd, offset, count, _SYNC_FILE_RANGE_WRITE)
+
+
+_START_WRITEBACK = _find_writeback()
 
 
 def _close_all(fds: list[int]) -> None:
@@ -120,25 +159,31 @@ class _LocalSink(BlobSink):
             self._close_directory()
             raise
         self._published = False
+        #: bytes written so far: where the next chunk starts
+        self._offset = 0
 
     def _close_directory(self) -> None:
         fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
-            os.close(fd)
+            with suppress(OSError):
+                os.close(fd)
 
     def write(self, chunk: bytes | memoryview) -> None:
         assert self._fd is not None, "write after finish or abort"
         with _os_errors(self.temp_path, "write"):
-            _write_all(self._fd, chunk)
+            size = _write_all(self._fd, chunk)
+        if _START_WRITEBACK is not None:
+            _START_WRITEBACK(self._fd, self._offset, size)  # a head start for finish's fsync; its result is not needed
+        self._offset += size
 
     def finish(self) -> None:
         assert self._fd is not None, "finish twice or after abort"
         fd, self._fd = self._fd, None
-        try:
-            with _os_errors(self.temp_path, "fsync"):
+        with _os_errors(self.temp_path, "fsync"):  # a failing close (EIO, ENXIO) is a StorageError too
+            try:
                 os.fsync(fd)
-        finally:
-            os.close(fd)
+            finally:
+                os.close(fd)
 
     def publish(self, name: str) -> None:
         assert self._dir_fd is not None, "publish after abort"
@@ -150,7 +195,8 @@ class _LocalSink(BlobSink):
     def abort(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)
+            with suppress(OSError):  # a dead mount (ENOTCONN): the error that led here is the one to raise
+                os.close(fd)
         if not self._published and self._dir_fd is not None:
             try:
                 os.unlink(self._name, dir_fd=self._dir_fd)
@@ -162,9 +208,15 @@ class _LocalSink(BlobSink):
 class LocalBackend(StorageBackend):
     """Files under a local or shared POSIX directory, made durable with fsync."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, allow_no_link: bool | None = None) -> None:
+        """``allow_no_link``: on a filesystem without ``link()``, create manifests with ``O_EXCL`` instead
+        of refusing it (None: the environment variable ``GYMCKPT_ALLOW_NO_LINK`` decides); see
+        :meth:`create_if_absent` for what that gives up."""
         self.url = root
         self.root = os.path.abspath(root)
+        self.allow_no_link = allow_no_link_from_environment() if allow_no_link is None else allow_no_link
+        #: the filesystems under the root (``st_dev``) that a create found without link(), and its refusal
+        self._without_link: dict[int, OSError] = {}
 
     @property
     def supports_directory_fsync(self) -> bool:
@@ -172,7 +224,8 @@ class LocalBackend(StorageBackend):
 
     @property
     def supports_conditional_create(self) -> bool:
-        return True
+        """True until a create finds a filesystem under the root without ``link()`` (see :meth:`create_if_absent`)."""
+        return not self._without_link
 
     def real_path(self, path: str) -> str:
         """The OS path of a store-relative path (which never escapes the root)."""
@@ -415,24 +468,23 @@ class LocalBackend(StorageBackend):
                 os.close(fd)
 
     def create_if_absent(self, path: str, data: bytes) -> bool:
+        """A temporary file written and fsynced, ``link()``ed to ``path`` only if absent, then the directory fsynced.
+
+        ``link()`` is decided where the names live (a shared filesystem's server: MooseFS's
+        master), so of two hosts racing for one name exactly one wins, and the name never
+        shows a partial file. A filesystem without ``link()`` (s3fs, vfat) is refused with
+        :class:`~gymckpt.errors.UnsupportedStorage` naming the path and the missing
+        capability, unless ``allow_no_link``: then :meth:`_create_exclusive` creates the name
+        itself with ``O_EXCL``.
+        """
         with self._parent(path, create=True) as (directory, name, relative):
-            temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
-            try:
-                _write_durable(directory, temp, relative, data)
-                try:
-                    os.link(temp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
-                    created = True
-                except FileExistsError:
-                    created = False
-                except OSError as exc:
-                    raise _translate(exc, relative, "create") from exc
-            finally:
-                try:
-                    os.unlink(temp, dir_fd=directory)
-                except OSError:
-                    pass  # verify reports a leftover temporary file
+            refused = self._known_refusal(directory)
+            if refused is not None:
+                created = self._refuse_or_create_exclusive(directory, name, relative, data, refused)
+            else:
+                created = self._create_by_link(directory, name, relative, data)
             if not created:
-                existing = self.read_bytes(relative)
+                existing = self._read_taken(relative)
                 if existing != data:
                     raise ManifestConflict(f"{relative} already exists with other content", path=relative)
             try:
@@ -445,3 +497,97 @@ class LocalBackend(StorageBackend):
                         os.unlink(name, dir_fd=directory)
                 raise
             return created
+
+    def _known_refusal(self, directory: int) -> OSError | None:
+        """The link() refusal an earlier create met on ``directory``'s filesystem, if any."""
+        if not self._without_link:
+            return None
+        try:
+            return self._without_link.get(os.fstat(directory).st_dev)
+        except OSError:
+            return None  # the create itself reports what is wrong with the storage
+
+    def _read_taken(self, relative: str) -> bytes:
+        """The bytes of a name the filesystem just refused as taken."""
+        try:
+            return self.read_bytes(relative)
+        except FileNotFoundError as exc:
+            # seen on a MooseFS mount with mfsnegentrycacheto > 0: the kernel still holds "absent" for the name
+            raise StorageError(
+                f"cannot create {relative}: the filesystem refused the name as taken, then found no file there "
+                "(a client cache of absent names, such as MooseFS's mfsnegentrycacheto > 0, or a concurrent delete)",
+                path=relative,
+                errno=errno.ENOENT,
+            ) from exc
+
+    def _create_by_link(self, directory: int, name: str, relative: str, data: bytes) -> bool:
+        """True when the link created ``name``, False when a file had it; a filesystem without link() goes to
+        :meth:`_refuse_or_create_exclusive`."""
+        temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
+        refused: OSError | None = None
+        try:
+            _write_durable(directory, temp, relative, data)
+            try:
+                os.link(temp, name, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
+                created = True
+            except FileExistsError:
+                created = False
+            except OSError as exc:
+                if not link_unsupported(exc):
+                    raise _translate(exc, relative, "create") from exc
+                refused = exc
+        finally:
+            try:
+                os.unlink(temp, dir_fd=directory)
+            except OSError:
+                pass  # verify reports a leftover temporary file
+        if refused is None:
+            return created
+        return self._refuse_or_create_exclusive(directory, name, relative, data, refused)
+
+    def _refuse_or_create_exclusive(
+        self, directory: int, name: str, relative: str, data: bytes, refused: OSError
+    ) -> bool:
+        """``link()`` was refused: remember that filesystem, then refuse it, or (opted in) create with O_EXCL."""
+        with suppress(OSError):
+            self._without_link[os.fstat(directory).st_dev] = refused
+        if not self.allow_no_link:
+            where = self.real_path(relative.rpartition("/")[0])
+            raise UnsupportedStorage(
+                f"cannot create {relative}: the filesystem of {where} refuses link() ({os.strerror(refused.errno or 0)}), "
+                f"so it lacks {LINK_CAPABILITY}, which keeps racing writers of one manifest from overwriting each "
+                f"other and readers from seeing it half written; set {ALLOW_NO_LINK_ENV}=1 (or pass "
+                "LocalBackend(allow_no_link=True)) to create manifests there with O_EXCL instead",
+                path=relative,
+                errno=refused.errno,
+            ) from refused
+        return self._create_exclusive(directory, name, relative, data)
+
+    def _create_exclusive(self, directory: int, name: str, relative: str, data: bytes) -> bool:
+        """``name`` created with ``O_EXCL`` and written in place: the fallback where there is no ``link()``.
+
+        Exclusive only as far as the filesystem's own create is: within one mount the kernel holds
+        the directory while it checks and creates, but s3fs checks for the object and then uploads
+        without a condition, so two hosts' mounts can both "create" it and the last upload wins.
+        And the name exists before its bytes do: a reader can meet it empty or short, and a crash
+        before the fsync leaves it so, which verify reports and which makes a retry a
+        ManifestConflict until the file is removed.
+        """
+        try:
+            fd = os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise _translate(exc, relative, "create") from exc
+        try:
+            with _os_errors(relative, "write"):
+                try:
+                    _write_all(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            with suppress(OSError):
+                os.unlink(name, dir_fd=directory)  # ours and incomplete: a retry creates it again
+            raise
+        return True

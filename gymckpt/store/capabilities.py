@@ -1,0 +1,83 @@
+"""What a local or shared POSIX filesystem can do for the store, asked of the filesystem itself.
+
+The local backend creates a manifest only if it is absent by ``link()``: a temporary file,
+written and fsynced in full, gets the final name only if no file has it, in one step that a
+shared filesystem's server decides (MooseFS's master, an NFS server), so two hosts racing
+for one manifest cannot both win and no reader sees it half written. Some mounts have no
+``link()`` at all (s3fs and other object-store FUSE mounts, vfat): :func:`link_unsupported`
+recognises that refusal and :func:`probe_link` asks a directory ahead of time.
+
+Such a mount is refused with :class:`~gymckpt.errors.UnsupportedStorage` unless the user
+opts in (``LocalBackend(root, allow_no_link=True)`` or ``GYMCKPT_ALLOW_NO_LINK=1``); the
+backend then creates the manifest's name with ``O_EXCL`` and writes it in place, which the
+local backend's ``create_if_absent`` documents.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from contextlib import suppress
+
+from gymckpt.store.layout import TEMP_PREFIX
+
+__all__ = [
+    "ALLOW_NO_LINK_ENV",
+    "LINK_CAPABILITY",
+    "NO_LINK_ERRNOS",
+    "allow_no_link_from_environment",
+    "link_unsupported",
+    "probe_link",
+]
+
+#: the capability a filesystem without link() lacks, as error messages name it
+LINK_CAPABILITY = "link-based create-if-absent"
+#: set to 1 (true, yes, on) to accept filesystems without link(): manifests are created with O_EXCL
+ALLOW_NO_LINK_ENV = "GYMCKPT_ALLOW_NO_LINK"
+#: what link() of a fresh file of one's own to a free name fails with where the filesystem has no hard links:
+#: EPERM (vfat, some FUSE filesystems), EOPNOTSUPP/ENOTSUP (s3fs), ENOSYS (FUSE without a link handler)
+NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def link_unsupported(exc: OSError) -> bool:
+    """True when ``exc`` (raised by ``link()`` of a file the caller just created) means no hard links here."""
+    return exc.errno in NO_LINK_ERRNOS
+
+
+def allow_no_link_from_environment() -> bool:
+    """The opt-in :data:`ALLOW_NO_LINK_ENV` (unset: False); another value is a ``ValueError``."""
+    value = os.environ.get(ALLOW_NO_LINK_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{ALLOW_NO_LINK_ENV} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+
+
+def probe_link(directory: str) -> bool | None:
+    """Whether ``link()`` works in ``directory``: True, False (the filesystem refuses it), or None
+    when it cannot tell (the directory is missing or not writable).
+
+    Creates two empty temporary files (:data:`~gymckpt.store.layout.TEMP_PREFIX`) and removes them.
+    """
+    token = secrets.token_hex(8)
+    source = os.path.join(directory, f"{TEMP_PREFIX}{token}.probe")
+    target = os.path.join(directory, f"{TEMP_PREFIX}{token}.probe-link")
+    try:
+        fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return None
+    os.close(fd)
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as exc:
+        return False if link_unsupported(exc) else None
+    else:
+        return True
+    finally:
+        for leftover in (target, source):
+            with suppress(OSError):
+                os.unlink(leftover)
