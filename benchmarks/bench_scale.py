@@ -59,6 +59,8 @@ __all__ = ["TARGETS", "ScaleRun", "main"]
 #: issue 15's targets, in seconds
 TARGETS = {"prepare": 2.0, "commit": 1.0, "restore": 1.0}
 MIB = 1024 * 1024
+#: the uninterrupted run's servers, sampled under these names and left out of the table
+REFERENCE_PREFIX = "uninterrupted:"
 
 #: where a profile sample was taken, by the first of these found in its innermost frame's file, then outward
 _PLACES = (
@@ -161,6 +163,8 @@ class ServerSampler:
     def __call__(self, event: str, stack: RolloutHarness) -> None:
         if event.startswith("started:"):
             self._label = event.partition(":")[2]
+        if event == "started:uninterrupted":  # its CPU only tells how busy the machine was with other work
+            self._watch({f"{REFERENCE_PREFIX}{name}": pid for name, pid in stack.pids.items()})
         if event in ("started:demo", "restored"):
             self._watch(stack.pids)
         if event == "started:demo" and self.profile:
@@ -367,7 +371,7 @@ def render(runs: list[ScaleRun], console: Console) -> None:
     ]
     for label, value in rows:
         table.add_row(label, *(value(run) for run in runs))
-    names = sorted({name for run in runs for name in run.servers})
+    names = sorted({name for run in runs for name in run.servers if not name.startswith(REFERENCE_PREFIX)})
     for name in names:
         table.add_section()
 
@@ -415,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", default="1,2", help="uvicorn workers per Gym server, one run each, comma-separated (1,2)"
     )
     parser.add_argument(
-        "--token-delay", type=float, default=0.2, help="the inference backend's seconds per token (0.2)"
+        "--token-delay", type=float, default=0.5, help="the inference backend's seconds per token (0.5)"
     )
     parser.add_argument(
         "--tool-turns", type=int, default=3, help="tool calls per rollout: model calls are one more (3)"
