@@ -23,7 +23,6 @@ from gymckpt.store.capabilities import (
     LINK_CAPABILITY,
     allow_no_link_from_environment,
     link_unsupported,
-    probe_link,
 )
 from gymckpt.store.layout import TEMP_PREFIX
 
@@ -218,8 +217,6 @@ class LocalBackend(StorageBackend):
         self.allow_no_link = allow_no_link_from_environment() if allow_no_link is None else allow_no_link
         #: the filesystems under the root (``st_dev``) that a create found without link(), and its refusal
         self._without_link: dict[int, OSError] = {}
-        #: the filesystems whose link() was asked for before a first file was written there
-        self._link_checked: set[int] = set()
 
     @property
     def supports_directory_fsync(self) -> bool:
@@ -326,13 +323,7 @@ class LocalBackend(StorageBackend):
     # --- the interface
 
     def open_sink(self, directory: str) -> BlobSink:
-        sink = _LocalSink(self, directory)
-        try:
-            self._check_link_once(directory)
-        except BaseException:
-            sink.abort()
-            raise
-        return sink
+        return _LocalSink(self, directory)
 
     def open_read(self, path: str) -> BinaryIO:
         return open(self._open_file(path), "rb", buffering=0)
@@ -561,41 +552,16 @@ class LocalBackend(StorageBackend):
         with suppress(OSError):
             self._without_link[os.fstat(directory).st_dev] = refused
         if not self.allow_no_link:
-            raise self._unsupported(f"create {relative}", relative, relative.rpartition("/")[0], refused) from refused
+            where = self.real_path(relative.rpartition("/")[0])
+            raise UnsupportedStorage(
+                f"cannot create {relative}: the filesystem of {where} refuses link() ({os.strerror(refused.errno or 0)}), "
+                f"so it lacks {LINK_CAPABILITY}, which keeps racing writers of one manifest from overwriting each "
+                f"other and readers from seeing it half written; set {ALLOW_NO_LINK_ENV}=1 (or pass "
+                "LocalBackend(allow_no_link=True)) to create manifests there with O_EXCL instead",
+                path=relative,
+                errno=refused.errno,
+            ) from refused
         return self._create_exclusive(directory, name, relative, data)
-
-    def _unsupported(self, action: str, path: str, directory: str, refused: OSError) -> UnsupportedStorage:
-        where = self.real_path(directory)
-        return UnsupportedStorage(
-            f"cannot {action}: the filesystem of {where} refuses link() ({os.strerror(refused.errno or 0)}), "
-            f"so it lacks {LINK_CAPABILITY}, which keeps racing writers of one manifest from overwriting each "
-            f"other and readers from seeing it half written; set {ALLOW_NO_LINK_ENV}=1 (or pass "
-            "LocalBackend(allow_no_link=True)) to create manifests there with O_EXCL instead",
-            path=path,
-            errno=refused.errno,
-        )
-
-    def _check_link_once(self, directory: str) -> None:
-        """Before the first file on a filesystem under the root: refuse one without ``link()`` (unless opted in).
-
-        So a commit there fails before its records are written, not at its manifest with an
-        orphaned records file left behind. Asked once per filesystem (``st_dev``) by
-        :func:`~gymckpt.store.capabilities.probe_link`.
-        """
-        real = self.real_path(directory)
-        try:
-            device = os.stat(real).st_dev
-        except OSError:
-            return  # the sink reports what is wrong with the directory
-        if device in self._link_checked:
-            refused = self._without_link.get(device)
-        else:
-            self._link_checked.add(device)
-            refused = None
-            if probe_link(real) is False:
-                refused = self._without_link[device] = OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
-        if refused is not None and not self.allow_no_link:
-            raise self._unsupported(f"write a checkpoint in {directory}", directory, directory, refused)
 
     def _create_exclusive(self, directory: int, name: str, relative: str, data: bytes) -> bool:
         """``name`` created with ``O_EXCL`` and written in place: the fallback where there is no ``link()``.
