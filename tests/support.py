@@ -18,9 +18,11 @@ on the session's moto server)::
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,3 +207,58 @@ def storage_on(kind: str, tmp_path: Path, endpoint: MotoEndpoint | None = None) 
         yield Storage("s3", f"s3://{S3_BUCKET}/{tmp_path.name}", endpoint.storage_options(), endpoint)
     else:
         raise ValueError(f"no storage of kind {kind!r}: one of {ALL_BACKENDS}")
+
+
+class LineWorker:
+    """A worker script run as a child process, spoken to in lines on its stdin and stdout, with bounded waits.
+
+    Its stderr goes to ``log``; a wait that runs out, or a worker that exits, fails the test
+    with the tail of that log.
+    """
+
+    #: how the failure messages name the worker
+    name = "worker"
+
+    def __init__(self, script: Path, log: Path, *, cwd: Path) -> None:
+        self.log = log
+        self._stderr = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, cwd=cwd
+        )
+        self._buffer = b""
+
+    def _write_line(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def _read_line(self, timeout: float) -> bytes:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"the {self.name} sent nothing for {timeout} s; its log: {self.stderr()}")
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    raise AssertionError(f"the {self.name} exited ({self.proc.poll()}); its log: {self.stderr()}")
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def stderr(self) -> str:
+        self._stderr.flush()
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._stderr.close()

@@ -17,10 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import select
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +26,7 @@ import pytest
 from gymckpt.store import CheckpointStore
 from gymckpt.store._local import LocalBackend
 from gymckpt.testing.sharedfs import MooseFS, SharedFsUnavailable, install_hint, missing_requirements
+from tests.support import LineWorker
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -104,20 +101,13 @@ def hosts(moosefs: MooseFS) -> Hosts:
     return Hosts(moosefs, directory)
 
 
-class CommitWorker:
+class CommitWorker(LineWorker):
     """The test's side of ``commit_worker.py``: a request, ``ready``, then ``go`` and the outcome."""
 
+    name = "commit worker"
+
     def __init__(self, log: Path) -> None:
-        self._stderr = log.open("wb")
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            cwd=PROJECT,
-        )
-        self._buffer = b""
+        super().__init__(WORKER, log, cwd=PROJECT)
 
     def prepare(self, root: Path, checkpoint_dir: str, *, timeout: float = 60.0, **fields: Any) -> int:
         """Fork a child that will commit ``fields`` (see the worker's docstring) into ``root``; its pid."""
@@ -152,41 +142,8 @@ class CommitWorker:
         return self.outcome()
 
     def _send(self, line: str, timeout: float) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
+        self._write_line(line)
         return json.loads(self._read_line(timeout))
-
-    def _read_line(self, timeout: float) -> bytes:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"the commit worker sent nothing for {timeout} s; its log: {self.stderr()}")
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise AssertionError(f"the commit worker exited ({self.proc.poll()}): {self.stderr()}")
-                self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line
-
-    def stderr(self) -> str:
-        self._stderr.flush()
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._stderr.close()
 
 
 @pytest.fixture

@@ -24,11 +24,8 @@ import json
 import os
 import random
 import re
-import select
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Generator
@@ -42,6 +39,7 @@ from gymckpt.store import CheckpointStore, verify
 from gymckpt.store._local import TEMP_PREFIX, LocalBackend
 from gymckpt.store.manifest import MANIFEST_NAME
 from gymckpt.testing.values import same_records, sample_records
+from tests.support import LineWorker
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -70,20 +68,13 @@ WORKER = Path(__file__).with_name("crash_worker.py")
 pytestmark = pytest.mark.slow
 
 
-class CrashWorker:
+class CrashWorker(LineWorker):
     """The parent's side of ``crash_worker.py``: one JSON request and reply per line, bounded waits."""
 
+    name = "crash worker"
+
     def __init__(self, log: Path) -> None:
-        self.log = log
-        self._stderr = log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            cwd=str(WORKER.parent),
-        )
-        self._buffer = b""
+        super().__init__(WORKER, log, cwd=WORKER.parent)
 
     def submit(self, kill: Kill) -> None:
         """Send one request; the worker serves them in order, one at a time."""
@@ -97,9 +88,7 @@ class CrashWorker:
             "torn": kill.torn,
             "timeout": CHILD_TIMEOUT,
         }
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(request) + "\n").encode())
-        self.proc.stdin.flush()
+        self._write_line(json.dumps(request))
 
     def receive(self, kill: Kill) -> dict[str, Any]:
         """The reply to the oldest request, ``kill``."""
@@ -111,37 +100,6 @@ class CrashWorker:
     def run(self, kill: Kill) -> dict[str, Any]:
         self.submit(kill)
         return self.receive(kill)
-
-    def _read_line(self, timeout: float) -> bytes:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError(f"the crash worker sent no reply in {timeout} s; its log: {self.stderr()}")
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if ready:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise AssertionError(f"the crash worker exited ({self.proc.poll()}); its log: {self.stderr()}")
-                self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line
-
-    def stderr(self) -> str:
-        self._stderr.flush()
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._stderr.close()
 
 
 @dataclass(frozen=True)
