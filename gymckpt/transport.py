@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from types import SimpleNamespace
 
 __all__ = [
+    "AWAITED_POOL_LIMIT",
     "CLIENT_IDLE_SECONDS",
     "DESCRIPTOR_RESERVE",
     "DOWNSTREAM_POOL_LIMIT",
@@ -59,6 +60,7 @@ __all__ = [
     "SAFE_METHODS",
     "SERVER_KEEP_ALIVE_SECONDS",
     "DescriptorBudget",
+    "awaited_pool_limit",
     "client_idle_seconds",
     "client_session",
     "descriptor_limits",
@@ -178,6 +180,20 @@ def downstream_pool_limit(descriptors: int | None = None) -> int:
     if descriptors < 0:
         return DOWNSTREAM_POOL_LIMIT
     return max(MIN_POOL_LIMIT, min(DOWNSTREAM_POOL_LIMIT, descriptors // 8))
+
+
+#: the awaited lane's bound per host: the calls a checkpoint waits for (a wait step's), which are short
+AWAITED_POOL_LIMIT = 128
+
+
+def awaited_pool_limit(data_pool_limit: int) -> int:
+    """The awaited lane's bound per host beside a data pool of ``data_pool_limit`` (0: no limit).
+
+    The calls a checkpoint waits for go on a pool of their own, so they never queue behind
+    the long calls it does not wait for (an agent's whole rollout holds a connection of the
+    data pool for minutes): :data:`AWAITED_POOL_LIMIT`, never more than the data pool's bound.
+    """
+    return AWAITED_POOL_LIMIT if data_pool_limit == 0 else min(AWAITED_POOL_LIMIT, data_pool_limit)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,11 @@ class Downstream:
     :func:`~gymckpt.transport.downstream_pool_limit`, 0 for no limit), in all only when
     ``connector_limit`` is set (a shared bound would queue the short calls to one host, a
     resources server's ``/verify``, behind the long ones to another), and closes idle
-    connections before the servers' keep-alive ends (:mod:`gymckpt.transport`).
+    connections before the servers' keep-alive ends (:mod:`gymckpt.transport`). A call a
+    checkpoint waits for (``awaited``: a wait step's, an agent's ``/close_session``) goes on
+    a small pool of its own (:func:`~gymckpt.transport.awaited_pool_limit` per host), so it
+    never queues behind the long calls to the same host (an agent's whole rollout) while a
+    checkpoint waits for it.
 
     With checkpointing on, a call made for an episode (given, or the current request's)
     goes to ``/ng-rollout/<capture key><path>``; with it off, to ``<path>`` unchanged with
@@ -106,23 +110,27 @@ class Downstream:
     ) -> None:
         self.checkpointing = checkpointing
         self._limits = (connector_limit, connector_limit_per_host)
-        self._session: aiohttp.ClientSession | None = None
+        #: the data pool (False) and the awaited lane (True)
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
         #: capture key → server base URL → the session cookie's value
         self._cookies: OrderedDict[str, dict[str, str]] = OrderedDict()
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+    def _client(self, awaited: bool = False) -> aiohttp.ClientSession:
+        session = self._sessions.get(awaited)
+        if session is None or session.closed:
             # by default bounded per host only: a slow host's calls never queue another host's behind them
             limit, per_host = self._limits
             limit = 0 if limit is None else limit
             per_host = transport.downstream_pool_limit() if per_host is None else per_host
-            self._session = transport.client_session(
+            if awaited:
+                limit, per_host = 0, transport.awaited_pool_limit(per_host)
+            session = self._sessions[awaited] = transport.client_session(
                 limit=limit,
                 limit_per_host=per_host,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),  # one jar would mix every episode's sessions
             )
-        return self._session
+        return session
 
     def session_cookie(self, base: str, episode: EpisodeId | None) -> str | None:
         """The session cookie a server at ``base`` gave ``episode`` (None: none yet)."""
@@ -166,7 +174,14 @@ class Downstream:
         return base.rstrip("/") + path
 
     async def post(
-        self, base: str, path: str, body: Any, *, episode: EpisodeId | None = None, resend: bool = False
+        self,
+        base: str,
+        path: str,
+        body: Any,
+        *,
+        episode: EpisodeId | None = None,
+        resend: bool = False,
+        awaited: bool = False,
     ) -> tuple[dict[str, Any], dict[str, str]]:
         """POST JSON; return the decoded reply and its headers (lower-cased names).
 
@@ -176,6 +191,7 @@ class Downstream:
         ``resend`` is a call whose reused connection the server closed before replying sent
         once more (:func:`gymckpt.transport.request`): a rollout's steps are not safe to
         send twice (a tool call would count twice, a ``/verify`` find its session ended).
+        ``awaited`` sends it on the lane of the calls a checkpoint waits for.
         """
         url = self.url(base, path, episode)
         headers = {"Content-Type": "application/json"}
@@ -190,7 +206,7 @@ class Downstream:
             headers[RELAY_HEADER] = relayed
         try:
             async with transport.request(
-                self._client(), "POST", url, resend=resend, data=orjson.dumps(body), headers=headers
+                self._client(awaited), "POST", url, resend=resend, data=orjson.dumps(body), headers=headers
             ) as response:
                 stamped = response.cookies.get(COOKIE_NAME)
                 if stamped is not None and episode is not None and stamped.value:
@@ -205,10 +221,10 @@ class Downstream:
         return orjson.loads(raw) if raw else {}, headers
 
     async def close(self) -> None:
-        """Close the data pool."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the data pool and the awaited lane."""
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
 
 
 #: the session cookies a caller holds for the request's episode on other servers: JSON ``{base URL: value}``

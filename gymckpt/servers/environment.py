@@ -91,7 +91,8 @@ async def run_stages(
             invoked = dict(state)
 
             async def close() -> dict[str, Any]:
-                reply, _ = await downstream.post(config.agent_url, "/close_session", {})
+                # a wait step: on the awaited lane, never queued behind the long /v1/responses calls
+                reply, _ = await downstream.post(config.agent_url, "/close_session", {}, awaited=True)
                 return reply
 
             await step(StepMode.WAIT, close, lambda _: {**invoked, "stage": "verify"})
@@ -99,12 +100,13 @@ async def run_stages(
             closed = dict(state)
             agent = closed.get("agent", {})
 
+            mode = StepMode.REPLAY if closed.get("verify_mode") == "replay" else StepMode.WAIT
+
             async def verify() -> dict[str, Any]:
                 body = {"response": agent.get("output_text", ""), "expected": agent.get("expected")}
-                reply, _ = await downstream.post(config.resources_url, "/verify", body)
+                reply, _ = await downstream.post(config.resources_url, "/verify", body, awaited=mode is StepMode.WAIT)
                 return reply
 
-            mode = StepMode.REPLAY if closed.get("verify_mode") == "replay" else StepMode.WAIT
             await step(mode, verify, lambda reply: {**closed, "stage": "done", "reward": reply.get("reward")})
     return {"reward": state.get("reward"), "response": state.get("agent", {}).get("output_text")}
 

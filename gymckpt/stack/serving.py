@@ -31,12 +31,75 @@ if TYPE_CHECKING:
     from gymckpt.servers.base import ServerConfig
     from gymckpt.workers.process import CoordinatorThread
 
-__all__ = ["MAX_WORKERS", "check_descriptor_budget", "downstream_hosts", "serve"]
+__all__ = [
+    "MAX_WORKERS",
+    "WORKER_HEALTHCHECK_ENV",
+    "WORKER_HEALTHCHECK_SECONDS",
+    "WorkerDeaths",
+    "check_descriptor_budget",
+    "downstream_hosts",
+    "serve",
+    "worker_healthcheck_seconds",
+]
 
 logger = logging.getLogger(__name__)
 
 #: the most workers one server may run
 MAX_WORKERS = 64
+#: how long uvicorn's supervisor waits for a worker to answer its health check before it takes the
+#: worker for hung, kills it and starts another (uvicorn's own default is 5 s). A worker killed loses
+#: every call it was serving, so a loaded one (thousands of rollouts on a shared core, a long garbage
+#: collection) must not be taken for a hung one.
+WORKER_HEALTHCHECK_SECONDS = 60
+#: the variable that sets :data:`WORKER_HEALTHCHECK_SECONDS`
+WORKER_HEALTHCHECK_ENV = "GYMCKPT_WORKER_HEALTHCHECK"
+
+
+def worker_healthcheck_seconds() -> int:
+    """``GYMCKPT_WORKER_HEALTHCHECK`` (whole seconds ≥ 1), else :data:`WORKER_HEALTHCHECK_SECONDS`."""
+    raw = os.environ.get(WORKER_HEALTHCHECK_ENV, "").strip()
+    if not raw:
+        return WORKER_HEALTHCHECK_SECONDS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{WORKER_HEALTHCHECK_ENV} must be a whole number of seconds >= 1, not {raw!r}")
+    return int(raw)
+
+
+class WorkerDeaths(logging.Filter):
+    """uvicorn's supervisor lines: its INFO lines dropped, except a dead worker's, raised to WARNING.
+
+    uvicorn logs a worker it found gone (or hung, and killed) at INFO; for a checkpointing
+    server that is the moment the worker's calls were lost, so it is a warning that says so.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        message = record.getMessage()
+        if not (message.startswith("Child process") and message.endswith("died")):
+            return False
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        record.msg = (
+            f"{message}: the worker exited, or gave no answer to the supervisor's health check within "
+            f"{worker_healthcheck_seconds()} s and was killed ({WORKER_HEALTHCHECK_ENV}); the calls it was "
+            "serving are lost, and a new worker is started"
+        )
+        record.args = ()
+        return True
+
+
+def _uvicorn_log_config() -> dict[str, object]:
+    """uvicorn's loggers through this process's handlers: warnings, and its supervisor's dead workers."""
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "filters": {"worker_deaths": {"()": f"{__name__}.WorkerDeaths"}},
+        "loggers": {
+            "uvicorn": {"level": "WARNING"},
+            "uvicorn.error": {"level": "INFO", "filters": ["worker_deaths"]},
+            "uvicorn.access": {"level": "WARNING"},
+        },
+    }
 
 
 def serve(
@@ -73,12 +136,16 @@ def serve(
     telemetry.configure_from_environment(f"gymckpt-{kind}")
     config = load_config(kind, config_file)
     check_descriptor_budget(kind, config, workers=workers)
-    uvicorn_options = {
+    uvicorn_options: dict[str, object] = {
         "log_level": "debug" if level == "debug" else "warning",
         "access_log": level == "debug",
         "timeout_keep_alive": seconds,
         "backlog": transport.LISTEN_BACKLOG,
     }
+    if workers > 1:
+        uvicorn_options["timeout_worker_healthcheck"] = worker_healthcheck_seconds()
+        if level != "debug":  # the supervisor's dead workers are warnings; its other lines stay out
+            uvicorn_options.update(log_level="info", log_config=_uvicorn_log_config())
     where = {"fd": fd} if fd is not None else {"host": host, "port": port}
     if workers == 1:
         app, _ = build_server(kind, config_file)
@@ -127,7 +194,8 @@ def check_descriptor_budget(
     The model, per process (each worker has the limit to itself): outbound, the data pool
     at its bound (``data_connector_limit_per_host``, default
     :func:`~gymckpt.transport.downstream_pool_limit`, × the servers the config names, or
-    ``data_connector_limit`` where that is smaller)
+    ``data_connector_limit`` where that is smaller) with the awaited lane beside it
+    (:func:`~gymckpt.transport.awaited_pool_limit` per server)
     and :data:`~gymckpt.transport.DESCRIPTOR_RESERVE`; the rest is left for the calls coming
     in. One INFO line gives the limit and how many calls it can hold; a WARNING names what to
     change when the pool is unbounded or takes more than it leaves. ``limits`` (soft, hard)
@@ -139,7 +207,8 @@ def check_descriptor_budget(
     per_host = transport.downstream_pool_limit(soft) if per_host is None else per_host
     hosts = max(len(downstream_hosts(config)), 1)
     bounds = [bound for bound in (total, per_host * hosts if per_host else 0) if bound]
-    outbound = min(bounds) if bounds else None
+    # the data pool at its bound, and the awaited lane beside it (the calls a checkpoint waits for)
+    outbound = min(bounds) + transport.awaited_pool_limit(per_host) * hosts if bounds else None
     budget = transport.DescriptorBudget(limit=soft, hard_limit=hard, outbound=outbound)
     shown = "unlimited" if soft < 0 else str(soft)
     logger.info(

@@ -114,6 +114,11 @@ def test_a_worker_killed_while_a_checkpoint_is_open_blocks_the_checkpoint_until_
         )
         assert "agent-worker-lost" in status["report"]["blockers"], status
         assert status["report"]["ready"] is False
+        # the agent's log says so as a warning (uvicorn's supervisor logs it at INFO, among lines left out)
+        log = e2e.harness.stack.servers["agent"].log_path.read_text()
+        died = [line for line in log.splitlines() if f"Child process [{killed}] died" in line]
+        assert len(died) == 1 and " WARNING " in died[0] and "calls it was serving are lost" in died[0], died
+        assert "Waiting for application startup" not in log
         agent_url = e2e.urls["agent"]
         again = await gym.prepare("lost-1", time.time() + 3)
         assert "agent-worker-lost" in again.replies[agent_url].report.blockers, again

@@ -305,6 +305,37 @@ def test_the_pool_bounds_the_connections_to_one_host() -> None:
     assert side.hits["/hold"] == calls
 
 
+def test_a_call_a_checkpoint_waits_for_never_queues_behind_the_long_calls_to_its_host() -> None:
+    async def scenario(url: str, side: ServerSide) -> tuple[int, int, list[dict[str, Any]]]:
+        downstream = Downstream(checkpointing=False, connector_limit_per_host=1)
+        try:
+            long = asyncio.create_task(downstream.post(url, "/hold", {}))
+            give_up = time.monotonic() + DEADLINE
+            while side.active < 1 and time.monotonic() < give_up:
+                await asyncio.wait([long], timeout=0.01)
+            assert side.active == 1  # the data pool's one connection is held
+            queued = asyncio.create_task(downstream.post(url, "/queued", {}))
+            awaited, _ = await asyncio.wait_for(downstream.post(url, "/awaited", {}, awaited=True), DEADLINE)
+            seen = (side.hits["/awaited"], side.hits["/queued"])  # the data pool's call is still waiting
+            side.let_go()
+            replies = [awaited, *(reply for reply, _ in await asyncio.gather(long, queued))]
+            return *seen, replies
+        finally:
+            await downstream.close()
+
+    with served(keep_alive=30.0) as (url, side):
+        awaited_hits, queued_hits, replies = asyncio.run(scenario(url, side))
+    assert (awaited_hits, queued_hits) == (1, 0)
+    assert replies == [{"ok": True}] * 3
+    assert side.hits["/queued"] == 1
+
+
+def test_the_awaited_lane_is_small_and_never_larger_than_the_data_pool() -> None:
+    assert transport.awaited_pool_limit(1024) == transport.AWAITED_POOL_LIMIT == 128
+    assert transport.awaited_pool_limit(16) == 16
+    assert transport.awaited_pool_limit(0) == transport.AWAITED_POOL_LIMIT  # an unbounded data pool
+
+
 def test_pools_default_to_the_descriptors_and_an_idle_timeout_below_the_keep_alive() -> None:
     async def scenario() -> tuple[int, int, float | None]:
         async with transport.client_session() as session:
@@ -349,25 +380,27 @@ def _environment(**fields: Any) -> EnvironmentConfig:
 
 def test_the_startup_check_logs_the_limit_and_the_budget(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="gymckpt.stack.serving"):
-        budget = check_descriptor_budget("environment", _environment(), limits=(1256, 4096))
-    # an eighth of 1256 per host, 2 hosts: 314 out and 256 reserved leave 686 for calls coming in
-    assert (budget.outbound, budget.inbound, budget.fits) == (314, 686, True)
+        budget = check_descriptor_budget("environment", _environment(), limits=(2048, 4096))
+    # an eighth of 2048 per host and the awaited lane's 128 beside it, 2 hosts: 768 out,
+    # and 256 reserved leave 1024 for calls coming in
+    assert (budget.outbound, budget.inbound, budget.fits) == (768, 1024, True)
     lines = [(record.levelno, record.getMessage()) for record in caplog.records]
     assert len(lines) == 1 and lines[0][0] == logging.INFO
-    assert "descriptor limit 1256 (hard 4096)" in lines[0][1]
-    assert "314 outbound (2 server(s) downstream) + 256 reserved leave 686 for calls coming in" in lines[0][1]
+    assert "descriptor limit 2048 (hard 4096)" in lines[0][1]
+    assert "768 outbound (2 server(s) downstream) + 256 reserved leave 1024 for calls coming in" in lines[0][1]
 
 
 def test_the_startup_check_warns_naming_the_option_when_the_pool_takes_more_than_it_leaves(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    config = _environment(data_connector_limit=5000, data_connector_limit_per_host=400)  # 2 hosts: 800 out
+    # 2 hosts: 800 on the data pool and 2 × 128 on the awaited lane
+    config = _environment(data_connector_limit=5000, data_connector_limit_per_host=400)
     with caplog.at_level(logging.INFO, logger="gymckpt.stack.serving"):
-        budget = check_descriptor_budget("environment", config, limits=(1256, 1256))
-    assert (budget.outbound, budget.inbound, budget.fits) == (800, 200, False)
+        budget = check_descriptor_budget("environment", config, limits=(1512, 1512))
+    assert (budget.outbound, budget.inbound, budget.fits) == (1056, 200, False)
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "800 connections leave only 200 of the descriptor limit 1256" in warnings[0]
+    assert "1056 connections leave only 200 of the descriptor limit 1512" in warnings[0]
     assert "data_connector_limit" in warnings[0] and "ulimit -Hn" in warnings[0]
 
 

@@ -8,6 +8,7 @@ Every wait is bounded; between attempts the test waits on the process itself.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -24,6 +25,7 @@ from fastapi.testclient import TestClient
 
 from gymckpt.participants.install import SeveralWorkersError, uvicorn_worker_count
 from gymckpt.servers.counter import CounterConfig, build_counter_app
+from gymckpt.stack.serving import WORKER_HEALTHCHECK_ENV, WorkerDeaths, worker_healthcheck_seconds
 from gymckpt.testing.net import free_port
 
 from ..support import kill_group, start_uvicorn
@@ -159,3 +161,32 @@ def test_the_lifespan_startup_refuses_several_workers_only_with_checkpointing_on
     off = build_counter_app(config(CounterConfig, enabled=False))
     with TestClient(off) as http:
         assert http.get("/health").json() == {"status": "ok"}
+
+
+def _record(level: int, message: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord("uvicorn.error", level, __file__, 1, message, args, None)
+
+
+def test_a_worker_the_supervisor_found_dead_is_a_warning_and_its_other_info_lines_are_dropped(monkeypatch) -> None:
+    monkeypatch.setenv(WORKER_HEALTHCHECK_ENV, "42")
+    deaths = WorkerDeaths()
+    died = _record(logging.INFO, "Child process [%s] died", 4242)
+    assert deaths.filter(died)
+    assert (died.levelno, died.levelname) == (logging.WARNING, "WARNING")
+    assert died.getMessage().startswith("Child process [4242] died: ")
+    assert "within 42 s" in died.getMessage() and "lost" in died.getMessage()
+    assert not deaths.filter(_record(logging.INFO, "Started server process [%d]", 7))
+    assert not deaths.filter(_record(logging.INFO, "Waiting for application startup."))
+    warning = _record(logging.WARNING, "Invalid HTTP request received.")
+    assert deaths.filter(warning) and warning.getMessage() == "Invalid HTTP request received."
+
+
+def test_the_health_check_timeout_is_a_minute_unless_the_variable_sets_it(monkeypatch) -> None:
+    monkeypatch.delenv(WORKER_HEALTHCHECK_ENV, raising=False)
+    assert worker_healthcheck_seconds() == 60
+    monkeypatch.setenv(WORKER_HEALTHCHECK_ENV, "7")
+    assert worker_healthcheck_seconds() == 7
+    for bad in ("0", "-3", "1.5", "soon"):
+        monkeypatch.setenv(WORKER_HEALTHCHECK_ENV, bad)
+        with pytest.raises(ValueError, match=WORKER_HEALTHCHECK_ENV):
+            worker_healthcheck_seconds()
