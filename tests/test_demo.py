@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -167,30 +168,52 @@ def test_demo_with_an_embedded_s3_endpoint(tmp_path: Path) -> None:
     assert_gone(outcome.server_pids)
 
 
-def test_a_continued_result_that_differs_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _demo_with_continuation_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any) -> tuple[Any, str]:
+    """Four rollouts, one worker, with ``change(results, failed)`` applied to what the continuation returned."""
     from gymckpt.demo import full as demo
 
     original = demo._Demo._continue
 
-    async def tampered(self: demo._Demo, *args: object) -> dict[str, object]:
-        results = await original(self, *args)
-        first = sorted(results)[0]
-        results[first] = {**results[first], "reward": 0.0}  # type: ignore[dict-item]
-        return results
+    async def changed(self: demo._Demo, *args: object) -> tuple[dict[str, object], list[object]]:
+        results, failed = await original(self, *args)
+        return change(results, failed)
 
-    monkeypatch.setattr(demo._Demo, "_continue", tampered)
+    monkeypatch.setattr(demo._Demo, "_continue", changed)
     out, table = console()
     outcome = run_demo(
         rollouts=4, store_url=str(tmp_path / "ckpts"), console=out, logs_dir=tmp_path, workers=1, restore_workers=1
     )
+    assert_gone(outcome.server_pids)
+    return outcome, table.getvalue()
+
+
+def test_a_continued_result_that_differs_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def differ(results: dict[str, Any], failed: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        first = sorted(results)[0]
+        return {**results, first: {**results[first], "reward": 0.0}}, failed
+
+    outcome, text = _demo_with_continuation_changed(tmp_path, monkeypatch, differ)
     assert outcome.exit_code == EXIT_DIFFERS
     assert len(outcome.differing) == 1
-    assert table_value(table.getvalue(), "results differing") == "1"
-    assert "demo failed: 1 result differs" in table.getvalue()
+    assert table_value(text, "results differing") == "1"
+    assert "demo failed: 1 result differs" in text
     assert outcome.verified  # the checkpoint itself is fine
     assert outcome.logs_dir.startswith(str(tmp_path))  # kept for a failed demo
     assert (Path(outcome.logs_dir) / "demo" / "environment.log").is_file()
-    assert_gone(outcome.server_pids)
+
+
+def test_a_lost_rollout_is_named_with_the_reason_its_attempt_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(results: dict[str, Any], failed: list[Any]) -> tuple[dict[str, Any], list[Any]]:
+        why = {"failure": {"failure_reason": "the agent gave no reply", "terminal": False}}
+        return {**results, sorted(results)[0]: None}, [*failed, why]
+
+    outcome, text = _demo_with_continuation_changed(tmp_path, monkeypatch, fail)
+    assert outcome.exit_code == EXIT_DIFFERS
+    assert len(outcome.lost) == 1
+    assert outcome.lost_reasons == "after the restore: 1 × the agent gave no reply"
+    assert "demo failed: 1 rollout lost (after the restore: 1 × the agent gave no reply)" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("name", ["[bold]x", "d[/]x", "[red]r[/red]"])
@@ -337,7 +360,10 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept_in_the_logs(
     assert outcome.exit_code == EXIT_DIFFERS
     first, second = table.getvalue().splitlines()
     traceback_file = Path(outcome.logs_dir) / "traceback.txt"
-    assert first == f"demo failed: KeyError: 'a bug in a phase' (an unexpected error: its traceback is in {traceback_file})"
+    assert (
+        first
+        == f"demo failed: KeyError: 'a bug in a phase' (an unexpected error: its traceback is in {traceback_file})"
+    )
     assert second == f"server logs: {outcome.logs_dir}"
     assert "_launch_until_half_finished" in traceback_file.read_text()
     assert "Traceback" not in lines.getvalue() + table.getvalue()

@@ -238,19 +238,29 @@ class _Demo:
 
         # a rollout whose /run returned a failure before the crash has no result: it is lost
         finals: dict[str, dict[str, Any] | None] = {}
+        failed_before: list[Any] = []
         for key, task in runs.items():
             if task.done() and key not in exported:
-                result = result_of(_outcome_of(task))
+                reply = _outcome_of(task)
+                result = result_of(reply)
                 if result is not None:
                     finals[key] = result
                     outcome.finished_before.append(key)
+                else:
+                    failed_before.append(reply)
         outcome.finished_before.sort()
         to_restart = sorted(key for key, task in runs.items() if not task.done() and key not in exported)
 
         gym = await self._crash_and_restart(demo, gym, runs)
         calls_before = await self._model_calls(demo)
         await self._restore(demo, gym, exported)
-        finals.update(await self._continue(demo, gym, exported, to_restart))
+        continued, failed_after = await self._continue(demo, gym, exported, to_restart)
+        finals.update(continued)
+        outcome.lost_reasons = "; ".join(
+            f"{when}: {failure_summary(replies)}"
+            for when, replies in (("before the crash", failed_before), ("after the restore", failed_after))
+            if replies
+        )
         self._observe("continued", demo)
         calls_after = await self._model_calls(demo)
         outcome.model_calls_before_crash, outcome.model_calls_redone = redone_model_calls(
@@ -267,6 +277,7 @@ class _Demo:
             self.progress(
                 f"[bold red]{_n(len(outcome.lost), 'rollout')} lost, {_differ(len(outcome.differing))}[/] "
                 "from the uninterrupted run"
+                + (f" (lost {escape(outcome.lost_reasons)})" if outcome.lost and outcome.lost_reasons else "")
             )
         else:
             self.progress(
@@ -278,7 +289,8 @@ class _Demo:
             await self._keep(demo)
         problems = []
         if outcome.lost:
-            problems.append(f"{_n(len(outcome.lost), 'rollout')} lost")
+            reasons = f" ({outcome.lost_reasons})" if outcome.lost_reasons else ""
+            problems.append(f"{_n(len(outcome.lost), 'rollout')} lost{reasons}")
         if outcome.differing:
             problems.append(f"{_differ(len(outcome.differing))} from the uninterrupted run")
         if not outcome.verified:
@@ -530,8 +542,11 @@ class _Demo:
 
     async def _continue(
         self, stack: RolloutHarness, gym: Coordinator, exported: list[str], to_restart: list[str]
-    ) -> dict[str, dict[str, Any] | None]:
-        """Run each exported rollout's next attempt, and start the others over; forget them all after."""
+    ) -> tuple[dict[str, dict[str, Any] | None], list[Any]]:
+        """Run each exported rollout's next attempt, and start the others over; forget them all after.
+
+        Returns every result (None: none) and the replies of the attempts without one.
+        """
         outcome = self.outcome
         checkpoint_id = outcome.checkpoint_id
         if to_restart:
@@ -569,7 +584,7 @@ class _Demo:
                 else ""
             )
         )
-        return results
+        return results, [reply for reply, key in zip(replies, order, strict=True) if results[key] is None]
 
     async def _verify(self) -> None:
         began = time.perf_counter()

@@ -59,6 +59,9 @@ class DemoOutcome:
     continued: list[str] = field(default_factory=list)
     restarted: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
+    #: why the lost rollouts have no result: the commonest failure reasons with counts, before the
+    #: crash (a ``/run`` that failed) and after it (a continuation or restart that failed)
+    lost_reasons: str = ""
     differing: list[str] = field(default_factory=list)
     #: rollouts in the commit scope that were never exported and started over (late to the checkpoint)
     uncaptured: list[str] = field(default_factory=list)
