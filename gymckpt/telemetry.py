@@ -29,6 +29,7 @@ token, header or storage option is ever recorded.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import time
@@ -118,6 +119,11 @@ def bind(
 _tracer: trace.Tracer = trace.get_tracer(SCOPE, __version__)
 bind()
 
+#: the operation whose block is running (its steps add their seconds to its INFO line)
+_current_operation: contextvars.ContextVar[Operation | None] = contextvars.ContextVar(
+    "gymckpt_operation", default=None
+)
+
 #: operation attribute names whose values the INFO line reports, by their short name
 _LOGGED = {"records": RECORDS, "bytes": BYTES, "blockers": BLOCKERS, "episodes": EPISODES, "phase": PHASE}
 
@@ -130,6 +136,8 @@ class Operation:
         self.name = name
         self.attributes = attributes
         self.outcome = "ok"
+        #: seconds of each of its steps (:func:`step`) by name, summed: the INFO line reports them
+        self.step_seconds: dict[str, float] = {}
 
     def set(self, **values: Any) -> None:
         """``nemo.gym.checkpoint.<name>`` for each keyword (None skipped)."""
@@ -170,6 +178,7 @@ def operation(
     ) as span:
         op = Operation(span, name, dict(attributes))
         op.set(**values)
+        current = _current_operation.set(op)
         try:
             yield op
         except BaseException as exc:
@@ -182,6 +191,7 @@ def operation(
                 span.add_event("refused", {EVENT: "refused", CODE: code})  # counted where it is answered
             raise
         finally:
+            _current_operation.reset(current)
             seconds = time.perf_counter() - began
             _INSTRUMENTS["duration"].record(seconds * 1000, {OPERATION: name, KIND: kind, OUTCOME: op.outcome})
             _log(op, checkpoint_id, kind, instance, seconds)
@@ -190,7 +200,12 @@ def operation(
 def _log(op: Operation, checkpoint_id: str | None, kind: str, instance: str, seconds: float) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
-    counts = " ".join(f"{short}={op.attributes[key]}" for short, key in _LOGGED.items() if key in op.attributes)
+    counts = " ".join(
+        [
+            *(f"{short}={op.attributes[key]}" for short, key in _LOGGED.items() if key in op.attributes),
+            *(f"{step}={spent:.3f}s" for step, spent in op.step_seconds.items()),
+        ]
+    )
     logger.info(
         "%s %s %s/%s: %s in %.3f s%s",
         op.name,
@@ -205,11 +220,21 @@ def _log(op: Operation, checkpoint_id: str | None, kind: str, instance: str, sec
 
 @contextmanager
 def step(name: str, *, span_kind: SpanKind = SpanKind.INTERNAL, **values: Any) -> Iterator[Operation]:
-    """A child span ``gym.checkpoint.<name>`` of the current one (no metric, no log line)."""
-    with _tracer.start_as_current_span(f"gym.checkpoint.{name}", kind=span_kind) as span:
-        op = Operation(span, name, {})
-        op.set(**values)
-        yield op
+    """A child span ``gym.checkpoint.<name>`` of the current one (no metric, no log line of its own).
+
+    A step named without a dot (``read``, ``install``, ``write``) adds its seconds to the
+    enclosing :func:`operation`'s INFO line (``read=0.301s``), summed over steps of one name.
+    """
+    parent = _current_operation.get()
+    began = time.perf_counter()
+    try:
+        with _tracer.start_as_current_span(f"gym.checkpoint.{name}", kind=span_kind) as span:
+            op = Operation(span, name, {})
+            op.set(**values)
+            yield op
+    finally:
+        if parent is not None and "." not in name:
+            parent.step_seconds[name] = parent.step_seconds.get(name, 0.0) + time.perf_counter() - began
 
 
 def volume(operation_name: str, *, kind: str, records: int, size_bytes: int | None) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -233,6 +234,9 @@ def test_a_commit_to_s3_logs_an_info_line_and_neither_the_token_nor_the_s3_secre
         lines
     )
     assert any(line.startswith("coordinate.commit s3-1 controller/coordination: ok") for line in lines), lines
+    (commit_line,) = [line for line in lines if line.startswith("commit s3-1 environment/env-0: ")]
+    # the line names its steps' seconds: where a slow commit spent them
+    assert re.search(r"\(records=1 bytes=\d+ .*export=\d+\.\d{3}s write=\d+\.\d{3}s", commit_line), commit_line
     text = "\n".join(lines) + "\n".join(caplog.text.splitlines())
     recorded_values = all_attribute_values(exporter.get_finished_spans(), reader)
     assert recorded_values, "nothing was recorded"
@@ -269,3 +273,21 @@ def test_a_lease_that_expires_is_a_span_an_event_and_a_count(
         if point.attributes[telemetry.EVENT] == "lease_expired"
     ]
     assert [point.value for point in expired] == [1]
+
+
+def test_an_operations_line_sums_the_seconds_of_its_steps_by_name_and_leaves_dotted_ones_out(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the operation begins at 0; read 0 → 0.25, install 0.25 → 0.75, read 1.0 → 1.125, a dotted step
+    # begins at 1.25 (its end is not read); the operation ends at 2.0
+    clock = iter([0.0, 0.0, 0.25, 0.25, 0.75, 1.0, 1.125, 1.25, 2.0])
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    with caplog.at_level("INFO", logger="gymckpt.telemetry"):
+        with telemetry.operation("restore", kind="environment", instance="env-0", checkpoint_id="c9") as op:
+            for name in ("read", "install", "read", "coordinate.restore.call"):
+                with telemetry.step(name):
+                    pass
+            op.set(records=4)
+    monkeypatch.undo()
+    (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("restore c9")]
+    assert line == "restore c9 environment/env-0: ok in 2.000 s (records=4 read=0.375s install=0.500s)"
