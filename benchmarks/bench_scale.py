@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,8 @@ class ScaleRun:
     bytes_written: int = 0
     #: the coordinator's spans: each prepare stage's seconds (environment, model, agent, resources)
     prepare_stages: dict[str, float] = field(default_factory=dict)
+    #: each participant's own commit and restore, from its INFO line: ``{"commit": {"agent": "0.57 s (…)"}}``
+    participant_lines: dict[str, dict[str, str]] = field(default_factory=dict)
     servers: dict[str, ServerFigures] = field(default_factory=dict)
 
 
@@ -157,6 +160,8 @@ class ServerSampler:
         self._thread = threading.Thread(target=self._run, name="server-sampler", daemon=True)
         self._profilers: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
         self._label = ""
+        #: the participants' commit and restore lines, read from the servers' logs once the rollouts continued
+        self.participant_lines: dict[str, dict[str, str]] = {}
 
     # --- the demo's events
 
@@ -169,6 +174,8 @@ class ServerSampler:
             self._watch(stack.pids)
         if event == "started:demo" and self.profile:
             self._start_profiles({name: stack.pids[name] for name in stack.gym_servers if name in stack.pids})
+        if event == "continued":
+            self.participant_lines = participant_lines([server.log_path for server in stack.stack.servers.values()])
         if event == "crash":
             self._sample_once()  # the last CPU reading of the processes about to die
             self._stop_profiles()
@@ -313,6 +320,7 @@ def run_once(args: argparse.Namespace, workers: int, root: Path, console: Consol
     run = _figures(outcome, workers)
     run.servers = sampler.figures
     run.prepare_stages = spans.prepare_stages()
+    run.participant_lines = sampler.participant_lines
     if run.ok and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     elif not run.ok:
@@ -343,6 +351,28 @@ def _figures(outcome: DemoOutcome, workers: int) -> ScaleRun:
     )
 
 
+#: a participant's INFO line of one operation (gymckpt.telemetry): its seconds and what it reports in brackets
+_OPERATION_LINE = re.compile(
+    r"INFO gymckpt\.telemetry: (?P<op>commit|restore) \S+ (?P<kind>[\w-]+)/\S+: ok in "
+    r"(?P<seconds>\d+\.\d+) s(?: \((?P<detail>[^)]*)\))?$"
+)
+
+
+def participant_lines(logs: list[Path]) -> dict[str, dict[str, str]]:
+    """Each participant's commit and restore as its server logged them (seconds, steps), from ``logs``."""
+    found: dict[str, dict[str, str]] = {}
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            match = _OPERATION_LINE.search(line)
+            if match is None:
+                continue
+            steps = [word for word in (match["detail"] or "").split() if word.endswith("s") and "=" in word]
+            found.setdefault(match["op"], {})[match["kind"]] = f"{float(match['seconds']):.2f}" + (
+                f" ({' '.join(steps)})" if steps else ""
+            )
+    return found
+
+
 def _mark(seconds: float, target: float) -> str:
     if not seconds:
         return "–"  # not reached
@@ -365,6 +395,8 @@ def render(runs: list[ScaleRun], console: Console) -> None:
         ("prepare by stage s", lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r.prepare_stages.items()) or "–"),
         (f"commit s (≤ {TARGETS['commit']})", lambda r: _mark(r.commit_seconds, TARGETS["commit"])),
         (f"restore s (≤ {TARGETS['restore']})", lambda r: _mark(r.restore_seconds, TARGETS["restore"])),
+        ("commit by participant s", lambda r: _by_participant(r, "commit")),
+        ("restore by participant s", lambda r: _by_participant(r, "restore")),
         ("records / bytes written", lambda r: f"{r.records:,} / {r.bytes_written:,}"),
         ("uninterrupted run s", lambda r: f"{r.uninterrupted_seconds:.1f}"),
         ("whole run s", lambda r: f"{r.total_seconds:.1f}"),
@@ -386,6 +418,11 @@ def render(runs: list[ScaleRun], console: Console) -> None:
         if any(server(r).cpu_places for r in runs):
             table.add_row(f"{name}: CPU went to", *(_places(server(r)) for r in runs))
     console.print(table)
+
+
+def _by_participant(run: ScaleRun, operation: str) -> str:
+    lines = run.participant_lines.get(operation, {})
+    return "\n".join(f"{kind} {line}" for kind, line in sorted(lines.items())) or "–"
 
 
 def _places(figures: ServerFigures, top: int = 4) -> str:
