@@ -25,6 +25,7 @@ writes the object.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,10 +67,21 @@ _SUFFIX = re.compile(r"-a([1-9][0-9]*)\Z")
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
+#: how many valid ids each validator remembers: a checkpoint of 16,000 rollouts checks every key
+#: several times (the request, the scope, the marks, the records), and each check is a pure function
+_VALID_IDS_CACHED = 1 << 16
+
+
 def validate_rollout_id(rollout_id: object) -> str:
     """Return ``rollout_id`` if it is a valid rollout id (see the module notes), else raise."""
     if not isinstance(rollout_id, str):
         raise InvalidRolloutId(f"a rollout id must be a string, not {type(rollout_id).__name__}")
+    return _valid_rollout_id(rollout_id)
+
+
+@functools.lru_cache(maxsize=_VALID_IDS_CACHED)
+def _valid_rollout_id(rollout_id: str) -> str:
+    """:func:`validate_rollout_id` of a string; only valid ids are remembered (a refusal raises)."""
     if not rollout_id:
         raise InvalidRolloutId("a rollout id must not be empty")
     if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
@@ -103,6 +115,12 @@ def split_capture_key(key: str) -> tuple[str, int]:
     """
     if not isinstance(key, str):
         raise InvalidRolloutId(f"a capture key must be a string, not {type(key).__name__}")
+    return _split_valid_capture_key(key)
+
+
+@functools.lru_cache(maxsize=_VALID_IDS_CACHED)
+def _split_valid_capture_key(key: str) -> tuple[str, int]:
+    """:func:`split_capture_key` of a string; only valid keys are remembered (a refusal raises)."""
     if not key:
         raise InvalidRolloutId("a capture key must not be empty")
     match = _SUFFIX.search(key)
@@ -116,6 +134,8 @@ def split_capture_key(key: str) -> tuple[str, int]:
 
 def capture_key(rollout_id: str, attempt: int) -> str:
     """The capture key of an attempt: ``r`` for attempt 0, ``r-aN`` after."""
+    if type(rollout_id) is str and type(attempt) is int:
+        return _key_of_valid_object(rollout_id, attempt)
     return EpisodeId(rollout_id, attempt).capture_key
 
 
@@ -141,10 +161,19 @@ def episode_key(value: object) -> str:
             raise InvalidRolloutId(f"an episode id object holds only rollout_id and attempt, not {unknown}")
         if "rollout_id" not in value:
             raise InvalidRolloutId("an episode id object needs a rollout_id")
-        return EpisodeId(value["rollout_id"], value.get("attempt", 0)).capture_key
+        rollout_id, attempt = value["rollout_id"], value.get("attempt", 0)
+        if type(rollout_id) is str and type(attempt) is int:
+            return _key_of_valid_object(rollout_id, attempt)
+        return EpisodeId(rollout_id, attempt).capture_key
     raise InvalidRolloutId(
         f"an episode id is a capture key or a {{rollout_id, attempt}} object, not {type(value).__name__}"
     )
+
+
+@functools.lru_cache(maxsize=_VALID_IDS_CACHED)
+def _key_of_valid_object(rollout_id: str, attempt: int) -> str:
+    """The capture key of ``{"rollout_id", "attempt"}`` (validated); only valid ones are remembered."""
+    return EpisodeId(rollout_id, attempt).capture_key
 
 
 def episode_object(key: str) -> dict[str, Any]:

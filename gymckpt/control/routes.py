@@ -6,9 +6,11 @@ import inspect
 import secrets
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from opentelemetry.trace import SpanKind
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,6 +36,7 @@ from gymckpt.control.responses import error_response, handle_gymckpt_error
 from gymckpt.errors import GymckptError, InvalidRequest, Unauthorized
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
     from contextlib import AbstractContextManager
 
     from starlette.responses import Response
@@ -78,6 +81,28 @@ class ControlAuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class _OrjsonRequest(Request):
+    """A request whose JSON body orjson decodes (a commit or restore names every episode of its scope)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())  # its JSONDecodeError is json's: a 422 as before
+        return self._json
+
+
+class _OrjsonRoute(APIRoute):
+    """A control route reading its JSON body with orjson (the standard library's decoder took ~40 ms a
+    call for a scope of 12,000 episodes)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def orjson_handler(request: Request) -> Response:
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+
+        return orjson_handler
+
+
 def control_router(plane: ControlPlane, token: str) -> APIRouter:
     """The control routes of one server, behind ``Authorization: Bearer <token>``."""
     if not token:
@@ -89,7 +114,12 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
         if credentials is None or not secrets.compare_digest(given, expected):
             raise Unauthorized("missing or wrong bearer token")
 
-    router = APIRouter(prefix=CONTROL_PREFIX, tags=["checkpoint control"], dependencies=[Depends(authorize)])
+    router = APIRouter(
+        prefix=CONTROL_PREFIX,
+        tags=["checkpoint control"],
+        dependencies=[Depends(authorize)],
+        route_class=_OrjsonRoute,
+    )
     kind, instance = _identity(plane)
 
     def traced(name: str, checkpoint_id: str) -> AbstractContextManager[telemetry.Operation]:

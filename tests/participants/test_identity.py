@@ -317,3 +317,24 @@ def test_rollout_path_round_trip(rollout_id: str, attempt: int, segments: list[s
     episode = EpisodeId(rollout_id, attempt)
     assert split_rollout_path(rollout_path(episode.capture_key, path)) == (episode, path)
     assert split_rollout_path(path) == (None, path)
+
+
+def test_remembered_validations_still_refuse_every_bad_id_every_time_and_typed() -> None:
+    from gymckpt.identity import capture_key, episode_key, split_capture_key, validate_rollout_id
+
+    for _ in range(2):  # a refusal is never remembered as valid
+        with pytest.raises(InvalidRolloutId):
+            split_capture_key("bad id")
+        with pytest.raises(InvalidRolloutId):
+            validate_rollout_id("x-a3")
+        with pytest.raises(InvalidRolloutId):
+            capture_key("r", -1)
+    for unhashable in (["r"], {"r": 1}):  # refused as ids, never a TypeError from a cache
+        with pytest.raises(InvalidRolloutId):
+            split_capture_key(unhashable)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRolloutId):
+            episode_key({"rollout_id": unhashable, "attempt": 0})
+    with pytest.raises(InvalidRolloutId):
+        episode_key({"rollout_id": "r", "attempt": True})
+    assert [split_capture_key("r-a2"), split_capture_key("r-a2")] == [("r", 2), ("r", 2)]
+    assert episode_key({"rollout_id": "r", "attempt": 2}) == capture_key("r", 2) == "r-a2"
