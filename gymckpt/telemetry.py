@@ -120,9 +120,7 @@ _tracer: trace.Tracer = trace.get_tracer(SCOPE, __version__)
 bind()
 
 #: the operation whose block is running (its steps add their seconds to its INFO line)
-_current_operation: contextvars.ContextVar[Operation | None] = contextvars.ContextVar(
-    "gymckpt_operation", default=None
-)
+_current_operation: contextvars.ContextVar[Operation | None] = contextvars.ContextVar("gymckpt_operation", default=None)
 
 #: operation attribute names whose values the INFO line reports, by their short name
 _LOGGED = {"records": RECORDS, "bytes": BYTES, "blockers": BLOCKERS, "episodes": EPISODES, "phase": PHASE}

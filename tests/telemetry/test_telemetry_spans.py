@@ -282,12 +282,14 @@ def test_an_operations_line_sums_the_seconds_of_its_steps_by_name_and_leaves_dot
     # begins at 1.25 (its end is not read); the operation ends at 2.0
     clock = iter([0.0, 0.0, 0.25, 0.25, 0.75, 1.0, 1.125, 1.25, 2.0])
     monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
-    with caplog.at_level("INFO", logger="gymckpt.telemetry"):
-        with telemetry.operation("restore", kind="environment", instance="env-0", checkpoint_id="c9") as op:
-            for name in ("read", "install", "read", "coordinate.restore.call"):
-                with telemetry.step(name):
-                    pass
-            op.set(records=4)
+    with (
+        caplog.at_level("INFO", logger="gymckpt.telemetry"),
+        telemetry.operation("restore", kind="environment", instance="env-0", checkpoint_id="c9") as op,
+    ):
+        for name in ("read", "install", "read", "coordinate.restore.call"):
+            with telemetry.step(name):
+                pass
+        op.set(records=4)
     monkeypatch.undo()
     (line,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("restore c9")]
     assert line == "restore c9 environment/env-0: ok in 2.000 s (records=4 read=0.375s install=0.500s)"
