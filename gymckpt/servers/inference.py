@@ -313,6 +313,8 @@ class InferenceBackend:
         self.staged: dict[str, StagedTokens] = {}
         #: generation serial → its state, for generations not yet completed
         self._live: dict[int, _Live] = {}
+        #: call id → its generations still decoding, by serial: a cut names thousands of calls
+        self._live_by_call: dict[str, dict[int, _Live]] = {}
         self._serial = itertools.count()
         self._signal = ChangeSignal()
         self._decoding = asyncio.Event()
@@ -339,8 +341,8 @@ class InferenceBackend:
         return None if live is None else len(live.tokens)
 
     def _latest_live(self, call_id: str) -> _Live | None:
-        matching = [live for live in self._live.values() if live.call_id == call_id]
-        return max(matching, key=lambda live: live.serial) if matching else None
+        lives = self._live_by_call.get(call_id)
+        return lives[max(lives)] if lives else None
 
     # --- generation
 
@@ -403,6 +405,7 @@ class InferenceBackend:
         prompt_sha256 = hashlib.sha256(request.prompt.encode()).hexdigest()
         live = _Live(serial, request.call_id, request.seed, prompt_sha256, request.max_tokens, list(prefix))
         self._live[serial] = live
+        self._live_by_call.setdefault(request.call_id, {})[serial] = live
         self.in_flight[serial] = request.call_id
         self._changed()
         rng = _rng(request.seed, request.prompt)
@@ -429,6 +432,10 @@ class InferenceBackend:
         finally:
             del self.in_flight[serial]
             del self._live[serial]
+            lives = self._live_by_call[request.call_id]
+            del lives[serial]
+            if not lives:
+                del self._live_by_call[request.call_id]
             self._changed()
 
     # --- generation cut
