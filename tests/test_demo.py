@@ -9,8 +9,11 @@ from __future__ import annotations
 import io
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from gymckpt.demo import run_demo
-from gymckpt.demo.report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, compare_results
+from gymckpt.demo.report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, EXIT_TERMINATED, compare_results
 from gymckpt.store import verify
 
 ROLLOUTS = 8
@@ -106,6 +109,39 @@ def test_demo_checkpoints_kills_restores_and_continues(tmp_path: Path) -> None:
     # no server outlives the demo: both stacks, and the restarted processes
     assert len(outcome.server_pids) == 5 + 5 + 4
     assert_gone(outcome.server_pids)
+
+
+def test_sigterm_stops_the_demo_and_every_server_it_started(tmp_path: Path) -> None:
+    import psutil
+
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "gymckpt", "demo", "--rollouts", "8", "--store", str(tmp_path / "store")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    try:
+        seen = b""
+        deadline = time.monotonic() + 120
+        # the progress line once the first stack answers: its servers are running
+        while b"the reference stack answers" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([demo.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(demo.stderr.fileno(), 65536) if ready else b""  # type: ignore[union-attr]
+            if ready and not chunk:
+                break  # the demo ended
+            seen += chunk
+        assert b"the reference stack answers" in seen, seen.decode(errors="replace")
+        servers = [child.pid for child in psutil.Process(demo.pid).children(recursive=True)]
+        assert len(servers) >= 5, servers
+        demo.send_signal(signal.SIGTERM)
+        out, _ = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
+    assert demo.returncode == EXIT_TERMINATED
+    assert "stopped by SIGTERM" in out.decode()
+    assert_gone(servers)
 
 
 def test_demo_as_a_process(tmp_path: Path) -> None:

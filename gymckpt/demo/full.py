@@ -24,6 +24,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -40,6 +41,7 @@ from gymckpt.demo.report import (
     EXIT_DIFFERS,
     EXIT_OK,
     EXIT_SETUP,
+    EXIT_TERMINATED,
     DemoOutcome,
     Progress,
     compare_results,
@@ -198,8 +200,15 @@ class _Demo:
 
     async def run(self) -> None:
         began = time.perf_counter()
+        terminated = self._stop_on_sigterm()
         try:
             await self._phases()
+        except asyncio.CancelledError:
+            if not terminated.is_set():
+                raise
+            # SIGTERM (a scheduler, kill): the servers are stopped below, as for Ctrl-C; one line says so
+            self.outcome.error = "stopped by SIGTERM; every server the demo started was stopped"
+            self.outcome.exit_code = EXIT_TERMINATED
         except _Failed as exc:
             if exc.log_tails:
                 self.progress.console.print(exc.log_tails.strip("\n"), highlight=False, markup=False)
@@ -211,6 +220,24 @@ class _Demo:
         finally:
             await self._cleanup()
             self.outcome.total_seconds = time.perf_counter() - began
+
+    def _stop_on_sigterm(self) -> asyncio.Event:
+        """SIGTERM cancels the demo (its servers are then stopped); the event tells it came."""
+        terminated = asyncio.Event()
+        task = asyncio.current_task()
+
+        def stop() -> None:
+            if terminated.is_set():  # stopping already: a second SIGTERM must not cut the cleanup short
+                return
+            terminated.set()
+            if task is not None:
+                task.cancel()
+
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+        return terminated
 
     async def _phases(self) -> None:
         outcome = self.outcome

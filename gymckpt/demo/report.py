@@ -21,6 +21,7 @@ __all__ = [
     "EXIT_DIFFERS",
     "EXIT_OK",
     "EXIT_SETUP",
+    "EXIT_TERMINATED",
     "DemoOutcome",
     "Progress",
     "compare_results",
@@ -31,6 +32,8 @@ __all__ = [
 
 #: exit codes of the demo: success, a rollout lost or a result different, a setup failure
 EXIT_OK, EXIT_DIFFERS, EXIT_SETUP = 0, 1, 2
+#: stopped by SIGTERM (128 + 15, as a shell reports it), after every server it started was stopped
+EXIT_TERMINATED = 143
 
 
 class Progress:
