@@ -50,6 +50,7 @@ from rich.table import Table
 from benchmarks.machine import cpu_snapshot, filesystem, positive, warn_if_disturbed
 from gymckpt import __version__ as gymckpt_version
 from gymckpt.demo import run_demo
+from gymckpt.demo.report import EXIT_TERMINATED
 
 if TYPE_CHECKING:
     from gymckpt.demo.report import DemoOutcome
@@ -97,6 +98,8 @@ class ScaleRun:
     rollouts: int
     ok: bool = False
     error: str = ""
+    #: stopped by SIGTERM (the demo stopped every server it started)
+    terminated: bool = False
     in_flight_at_checkpoint: int = 0
     exported: int = 0
     continued: int = 0
@@ -334,6 +337,7 @@ def _figures(outcome: DemoOutcome, workers: int) -> ScaleRun:
         rollouts=outcome.rollouts,
         ok=outcome.exit_code == 0,
         error=outcome.error,
+        terminated=outcome.exit_code == EXIT_TERMINATED,
         in_flight_at_checkpoint=outcome.rollouts - len(outcome.finished_before) if outcome.exported else 0,
         exported=len(outcome.exported),
         continued=len(outcome.continued),
@@ -488,7 +492,11 @@ def main(argv: list[str] | None = None) -> int:
         highlight=False,
     )
     before = cpu_snapshot()
-    runs = [run_once(args, workers, root, console) for workers in worker_counts]
+    runs = []
+    for workers in worker_counts:
+        runs.append(run_once(args, workers, root, console))
+        if runs[-1].terminated:  # SIGTERM: the demo stopped its servers; no further run
+            break
     share = _others_share(before, cpu_snapshot(), runs)
     render(runs, out)
     warn_if_disturbed(out, share, os.cpu_count())
