@@ -185,6 +185,8 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
     host = str(data.get("host", "127.0.0.1"))
     checkpoint = data.get("checkpoint")
     default_workers = data.get("workers", 1)  # a stack-wide default for entries without their own
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)  # the servers' configs and logs go there
     stack = Stack() if workdir is None else Stack(workdir=workdir)
     entries = []
     for entry in data["servers"]:

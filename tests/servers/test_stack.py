@@ -33,8 +33,10 @@ def test_a_killed_server_restarts_on_the_same_port(tmp_path: Any) -> None:
                 {"name": "env", "kind": "environment", "config": {"agent_url": downstream, "resources_url": downstream}}
             ],
         }
-        with load_stack(spec, workdir=tmp_path) as stack:
+        workdir = tmp_path / "not" / "made" / "yet"  # made for the servers' configs and logs
+        with load_stack(spec, workdir=workdir) as stack:
             stack.start()
+            assert stack.servers["env"].log_path.parent == workdir and (workdir / "env.yaml").is_file()
             url = stack.urls["env"]
             assert asyncio.run(_run(url, "a"))["result"]["reward"] == 1.0
             pid = stack.servers["env"].process.pid  # type: ignore[union-attr]
