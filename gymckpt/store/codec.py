@@ -2,14 +2,20 @@
 
 Fast path: orjson, after one cheap type walk that finds what orjson would get wrong
 (NaN and infinities, which it writes as ``null``; tuples, enums and UUIDs, which it
-converts silently). Exact path: the standard library's encoder, used only for records
-that hold NaN, +/-Infinity, integers beyond 64 bits, lone surrogates or nesting deeper
-than orjson accepts.
+converts silently). Exact path, for records that hold NaN, +/-Infinity or integers beyond
+64 bits: orjson again, on a copy of the containers on the way to those values with each
+of them as an ``orjson.Fragment`` (``NaN``, ``Infinity``, the integer's digits). The
+standard library's encoder writes only what orjson cannot: lone surrogates and nesting
+deeper than orjson accepts.
 
 A line from the exact path starts with ``{"episode_id": `` (a space after the colon);
 a fast line starts with ``{"episode_id":"``. The decoder picks its decoder from that
 prefix alone, so a big integer is never read back as a float by orjson. Both are plain
 JSON that any reader accepts.
+
+The type walks live in :mod:`gymckpt.store._walks`, with a C twin built at install where a
+C compiler works; :data:`ACCELERATED` says which ones run (``GYMCKPT_PURE_PYTHON=1`` keeps
+to the Python ones).
 
 Reference-format records (read only, :func:`reference_episode_id_of_line` and
 :func:`decode_reference_record`) are ``json.dumps`` lines: ``", "`` and ``": "``
@@ -32,16 +38,20 @@ import orjson
 
 from gymckpt.errors import InvalidRecord, NotJSONError, RecordUndecodable
 from gymckpt.identity import episode_key
+from gymckpt.store import _walks
+from gymckpt.store._walks import ACCELERATED
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 __all__ = [
+    "ACCELERATED",
     "MAX_DEPTH",
     "EncodedRecord",
     "check_json",
     "decode_document",
     "decode_line",
+    "decode_line_and_id",
     "decode_record",
     "decode_reference_record",
     "encode_document",
@@ -61,53 +71,18 @@ OBJECT_PREFIX = b'{"episode_id": {'
 _OBJECT_HEAD = 1024
 
 _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
-#: lists longer than this are summed in C before they are looked at item by item
-_SUMMED_LIST = 8
+_LINE_OPTIONS = _ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE
+#: what orjson writes before a record's episode id: ``{"episode_id":``
+_FAST_HEAD = len(FAST_PREFIX) - 1
+#: the walks encode_record uses (gymckpt.store._walks): the C ones where built, else the Python ones
+_fast_walk = _walks.FAST_WALK
+_fragment_walk = _walks.FRAGMENT_WALK
 _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 _EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTALL)
 
 
 def _refuse(value: object) -> object:
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
-
-
-def _fast_path_safe(value: object) -> bool:
-    """True when orjson writes ``value`` exactly: only exact JSON types, finite floats.
-
-    A long list is first summed in C: an int total means ints only, a finite float total
-    ints and finite floats only; anything else (a string, a container, NaN, an overflow)
-    falls back to looking at each item.
-    """
-    stack = [value]
-    pop = stack.pop
-    push = stack.append
-    while stack:
-        node = pop()
-        if type(node) is dict:
-            items = node.values()
-        else:
-            items = node
-            if len(node) > _SUMMED_LIST:
-                try:
-                    total = sum(node)
-                except TypeError:
-                    pass
-                else:
-                    kind = type(total)
-                    if kind is int or (kind is float and total - total == 0.0):
-                        continue
-        for item in items:
-            kind = type(item)
-            if kind is str or kind is int or item is None or kind is bool:
-                continue
-            if kind is dict or kind is list:
-                push(item)
-            elif kind is float:
-                if item - item != 0.0:
-                    return False
-            else:
-                return False
-    return True
 
 
 def _exact_path_safe(value: object, *, check_strings: bool) -> int | None:
@@ -296,14 +271,24 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
     episode_id = _leading_episode_id(record)
     # orjson first: it stops at 255 levels, so a value that contains itself ends here
     try:
-        line = orjson.dumps(record, default=_refuse, option=_ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE)
+        line = orjson.dumps(record, default=_refuse, option=_LINE_OPTIONS)
     except TypeError:
         strings_clean = False  # a big integer, a lone surrogate, deep nesting, a cycle, or not JSON
     else:
-        if _fast_path_safe(record):
+        if _fast_walk(record):
             return episode_id, line
         strings_clean = True  # NaN or an infinity (or a type orjson converts): orjson vouched for the strings
         del line
+    # NaN, infinities and big integers as Fragments; the walk stops below orjson's depth, so a cycle ends too
+    fragments = _fragment_walk(record)
+    if fragments is not None:
+        try:
+            line = orjson.dumps(fragments, default=_refuse, option=_LINE_OPTIONS)
+        except TypeError:
+            pass  # a lone surrogate: the standard library writes it
+        else:
+            return episode_id, EXACT_PREFIX + line[_FAST_HEAD:]
+        del fragments
     depth = _exact_path_safe(record, check_strings=not strings_clean)
     if depth is None:
         check_json(record, episode_id=episode_id)  # raises, naming the first bad value
@@ -350,8 +335,12 @@ def decode_line(line: bytes | memoryview) -> dict[str, Any]:
     """Decode one records line (with or without its newline) into its record."""
     try:
         if line[:15] == EXACT_PREFIX:
-            with _exact_context():
-                record = json.loads(bytes(line))
+            data = bytes(line)
+            try:
+                record = json.loads(data)
+            except (ValueError, RecursionError):  # an integer beyond the digit limit, or deep: again, without limits
+                with _exact_context():
+                    record = json.loads(data)
         else:
             record = orjson.loads(line)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
@@ -359,6 +348,42 @@ def decode_line(line: bytes | memoryview) -> dict[str, Any]:
     if type(record) is not dict or next(iter(record), None) != "episode_id":
         raise RecordUndecodable("line is not a JSON object whose first key is 'episode_id'")
     return record
+
+
+def decode_line_and_id(line: bytes | memoryview) -> tuple[str, dict[str, Any]]:
+    """``(episode_id, record)`` of a records line: :func:`episode_id_of_line` and :func:`decode_record`
+    in one, with the same checks and errors.
+
+    The id is taken from the decoded record and confirmed by comparing the line's leading
+    token with the id as orjson writes it (what gymckpt writes); a line that spells it
+    another way has its token read as :func:`episode_id_of_line` does.
+    """
+    try:
+        record = decode_line(line)
+    except RecordUndecodable:
+        episode_id_of_line(line)  # a line without a leading id string says so first, as before
+        raise
+    named = record["episode_id"]
+    head = line[:15]
+    start = 15 if head == EXACT_PREFIX else _FAST_HEAD if head == FAST_PREFIX else 0
+    if start and type(named) is str:
+        try:
+            token = orjson.dumps(named)
+        except TypeError:  # a lone surrogate: the token decides below
+            pass
+        else:
+            if line[start : start + len(token)] == token:
+                return named, record
+    episode_id = episode_id_of_line(line)
+    _check_named(record, episode_id)
+    return episode_id, record
+
+
+def _check_named(record: dict[str, Any], episode_id: str) -> None:
+    if record["episode_id"] != episode_id:
+        raise RecordUndecodable(
+            f"line of episode {episode_id!r} names episode {record['episode_id']!r} too (the key 'episode_id' twice)"
+        )
 
 
 def decode_record(line: bytes | memoryview, episode_id: str) -> dict[str, Any]:
@@ -370,10 +395,7 @@ def decode_record(line: bytes | memoryview, episode_id: str) -> dict[str, Any]:
     byte of every line again (about a fifth of a restore's decoding).
     """
     record = decode_line(line)
-    if record["episode_id"] != episode_id:
-        raise RecordUndecodable(
-            f"line of episode {episode_id!r} names episode {record['episode_id']!r} too (the key 'episode_id' twice)"
-        )
+    _check_named(record, episode_id)
     return record
 
 
@@ -472,12 +494,47 @@ def decode_reference_record(line: bytes | memoryview, episode_id: str) -> dict[s
     return record
 
 
+def _floatless(value: object) -> bool:
+    """True when ``value`` holds only dicts, lists, str, int, bool and None (no float), at most
+    :data:`gymckpt.store._walks.MAX_LEVELS` deep: a document orjson writes as ``json.dumps`` does, when ASCII."""
+    stack = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if level > _walks.MAX_LEVELS:
+            return False
+        items = node.values() if type(node) is dict else node  # type: ignore[attr-defined]
+        if type(items) is list and len(items) > _walks.SUMMED_LIST and list(map(type, items)).count(str) == len(items):
+            continue  # a long list of strings (a manifest's episode ids)
+        for item in items:  # type: ignore[attr-defined]
+            kind = type(item)
+            if kind is dict or kind is list:
+                stack.append((item, level + 1))
+            elif not (kind is str or kind is int or kind is bool or item is None):
+                return False
+    return True
+
+
 def encode_document(document: dict[str, Any]) -> bytes:
     """Encode a small document (manifest, checkpoint index) as exact, indented, ASCII JSON.
 
-    The output depends only on the document, so a retried write compares bytes.
+    The output depends only on the document, so a retried write compares bytes. It is the
+    standard library's ``json.dumps(document, indent=2)``; orjson writes the same bytes, faster,
+    for a document without floats whose strings are ASCII without DEL (which ``json.dumps``
+    escapes), and does when it can.
     """
-    return _exact_dumps(document, check_json(document), indent=2).encode("ascii") + b"\n"
+    if type(document) is dict and _floatless(document):
+        try:
+            data = orjson.dumps(document, default=_refuse, option=orjson.OPT_INDENT_2 | orjson.OPT_APPEND_NEWLINE)
+        except TypeError:
+            pass  # an integer beyond 64 bits, a key that is not a str, a lone surrogate
+        else:
+            if data.isascii() and b"\x7f" not in data:
+                return data
+    kind = type(document)
+    depth = _exact_path_safe(document, check_strings=True) if kind is dict or kind is list else None
+    if depth is None:
+        depth = check_json(document)  # raises, naming the first value JSON cannot hold
+    return _exact_dumps(document, depth, indent=2).encode("ascii") + b"\n"
 
 
 def decode_document(data: bytes) -> object:

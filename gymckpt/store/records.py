@@ -2,9 +2,10 @@
 
 Writing runs two stages: the caller's thread encodes records (it holds the GIL) while a
 worker thread hashes and writes full chunks (hashlib and file I/O release the GIL), so
-both cores work. Reading mirrors it: a worker thread reads and hashes chunks while the
-caller's thread splits lines and decodes only the records in scope. Memory stays
-bounded by a few chunks plus the largest record.
+both cores work. The chunks are a few buffers used over and over: a sink's ``write``
+must copy what it keeps of one (every backend's does). Reading mirrors it: a worker
+thread reads and hashes chunks while the caller's thread splits lines and decodes only
+the records in scope. Memory stays bounded by a few chunks plus the largest record.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from gymckpt.errors import (
 from gymckpt.store.codec import (
     EncodedRecord,
     check_encoded,
+    decode_line_and_id,
     decode_record,
     decode_reference_record,
     encode_record,
@@ -59,6 +61,14 @@ DEFAULT_CHUNK_SIZE = 4 << 20
 #: the read limit of a records file whose manifest claims no size
 _UNBOUNDED = 1 << 62
 _QUEUE_DEPTH = 4
+#: buffers a write fills in turn: one being filled, _QUEUE_DEPTH waiting, one being written
+_BUFFERS = _QUEUE_DEPTH + 2
+#: a records file is large once this many bytes, and at least 16 chunks, are written: from there
+#: on it is written in _LARGE_BUFFERS chunks as large as the _BUFFERS together (the same memory
+#: in fewer writes: each chunk costs the writing thread a few waits for the GIL the encoding
+#: thread holds; small files keep their chunks, which measured faster for them)
+_LARGE_FILE = 64 << 20
+_LARGE_BUFFERS = 2
 _END = object()
 
 
@@ -105,7 +115,7 @@ class RecordsSummary:
 
 
 class _ChunkWriter(threading.Thread):
-    """Hashes and writes chunks handed over by the encoding thread."""
+    """Hashes and writes chunks handed over by the encoding thread, then hands their buffers back."""
 
     def __init__(self, sink: BlobSink) -> None:
         super().__init__(name="gymckpt-records-writer", daemon=True)
@@ -113,19 +123,38 @@ class _ChunkWriter(threading.Thread):
         self.hasher = hashlib.sha256()
         self.size = 0
         self.error: BaseException | None = None
-        self.inbox: queue.Queue[object] = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self.inbox: queue.Queue[object] = queue.Queue()
+        #: buffers written and free to fill again
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        #: how many buffers there may be, and how many there are
+        self.buffer_limit = _BUFFERS
+        self.buffers = 0
 
     def run(self) -> None:
-        while (data := self.inbox.get()) is not _END:
-            if self.error is not None:
-                continue  # keep draining so the producer never blocks on a dead writer
-            try:
-                assert isinstance(data, bytearray)
-                self.hasher.update(data)
-                self.sink.write(data)
-                self.size += len(data)
-            except BaseException as exc:
-                self.error = exc
+        while (handed := self.inbox.get()) is not _END:
+            buffer, length = handed  # type: ignore[misc]
+            if self.error is None:  # else keep draining so the producer never waits on a dead writer
+                try:
+                    with memoryview(buffer) as whole, whole[:length] as chunk:
+                        self.hasher.update(chunk)
+                        self.sink.write(chunk)
+                    self.size += length
+                except BaseException as exc:
+                    self.error = exc
+                    buffer = bytearray()  # the error's traceback may still hold a view of the old one
+            self.free.put(buffer)
+
+    def empty_buffer(self) -> bytearray:
+        """A buffer to fill: a new one while there are fewer than the limit, else the next one
+        written (the ones beyond a lowered limit are let go as they come back)."""
+        while True:
+            if self.buffers < self.buffer_limit and self.free.empty():
+                self.buffers += 1
+                return bytearray()
+            buffer = self.free.get()  # every other buffer is queued or being written: it comes back
+            if self.buffers <= self.buffer_limit:
+                return buffer
+            self.buffers -= 1
 
 
 def write_records(
@@ -137,7 +166,9 @@ def write_records(
 ) -> RecordsSummary:
     """Encode ``records`` into ``sink`` one at a time; return digest, size, count and ids.
 
-    Raises :class:`InvalidRecord` (no leading episode_id, a duplicate id),
+    Chunks of at least ``chunk_size`` bytes (whole lines) go to ``sink.write``; a large file's
+    later chunks are larger (``_LARGE_FILE``), in the same memory. Raises
+    :class:`InvalidRecord` (no leading episode_id, a duplicate id),
     :class:`~gymckpt.errors.NotJSONError`, :class:`WriteStopped`, or the sink's
     storage error. The sink is left for the caller to finish or abort.
     """
@@ -147,7 +178,10 @@ def write_records(
     episode_ids: list[str] = []
     # lines are copied into the chunk at once: orjson's output of a long string keeps a
     # worst-case allocation of several times its length for as long as the bytes live
-    batch = bytearray()
+    batch = writer.empty_buffer()
+    filled = 0
+    target = chunk_size
+    handed = 0
     try:
         for record in records:
             if stop is not None and stop.stopped:
@@ -157,15 +191,26 @@ def write_records(
                 raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
             seen.add(episode_id)
             episode_ids.append(episode_id)
-            batch += line
+            end = filled + len(line)
+            if end <= len(batch):
+                batch[filled:end] = line  # in place: a buffer used before keeps its size
+            else:
+                del batch[filled:]
+                batch += line
+            filled = end
             del line
-            if len(batch) >= chunk_size:
+            if filled >= target:
                 if writer.error is not None:
                     break
-                writer.inbox.put(batch)
-                batch = bytearray()
-        if batch and writer.error is None:
-            writer.inbox.put(batch)
+                writer.inbox.put((batch, filled))
+                handed += filled
+                if target == chunk_size and handed >= max(_LARGE_FILE, 16 * chunk_size):
+                    target = chunk_size * _BUFFERS // _LARGE_BUFFERS  # a large file: see _LARGE_FILE
+                    writer.buffer_limit = _LARGE_BUFFERS
+                batch = writer.empty_buffer()
+                filled = 0
+        if filled and writer.error is None:
+            writer.inbox.put((batch, filled))
     finally:
         writer.inbox.put(_END)
         writer.join()
@@ -198,9 +243,9 @@ class _ChunkReader(threading.Thread):
                     break
                 self.remaining -= len(chunk)
                 self.last_byte = chunk[-1:]
-                self.hasher.update(chunk)
                 self.size += len(chunk)
-                self.outbox.put(chunk)
+                self.outbox.put(chunk)  # handed on first: the decoding thread starts while this one hashes
+                self.hasher.update(chunk)
         except BaseException as exc:
             self.error = exc
         finally:
@@ -338,6 +383,8 @@ def read_records(
         if expected.reference
         else (episode_id_of_line, decode_record)
     )
+    # every line of gymckpt's own format decoded: each id is read from its record, no line is read twice
+    whole = scope is None and not expected.reference
     episode_ids: list[str] = []
     undecodable: str | None = None
     line_number = 0
@@ -351,6 +398,11 @@ def read_records(
                     if undecodable is not None:
                         continue
                     try:
+                        if whole:
+                            episode_id, record = decode_line_and_id(line)
+                            episode_ids.append(episode_id)
+                            yield record
+                            continue
                         episode_id = episode_of(line)
                         episode_ids.append(episode_id)
                         if scope is None or episode_id in scope:

@@ -1,0 +1,105 @@
+"""How write_records hands its chunks to a sink: a few buffers used over and over, larger chunks for large files.
+
+The sink here keeps each chunk's buffer object (not a copy of it) to tell them apart, and
+hashes what it was given: the file must be exactly the records' lines, whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+
+import gymckpt.store.records as records_module
+from gymckpt.store.backend import BlobSink
+from gymckpt.store.codec import encode_record
+from gymckpt.store.records import write_records
+from gymckpt.testing.values import sample_records
+
+
+class ChunkSink(BlobSink):
+    """Hashes the chunks it is given and notes their sizes and the buffers they were in."""
+
+    def __init__(self) -> None:
+        self.hasher = hashlib.sha256()
+        self.sizes: list[int] = []
+        self.buffers: list[object] = []
+        self.copies: list[bytes] = []
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        view = memoryview(chunk)
+        self.sizes.append(view.nbytes)
+        self.buffers.append(view.obj)
+        self.hasher.update(view)
+        self.copies.append(bytes(view[:16]))  # the start of each chunk, as it was when written
+
+    def finish(self) -> None:
+        pass
+
+    def publish(self, name: str) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _records(count: int, payload: int) -> list[dict[str, Any]]:
+    return sample_records(count, payload=payload)
+
+
+def _expected(records: list[dict[str, Any]]) -> tuple[str, list[bytes]]:
+    lines = [encode_record(record)[1] for record in records]
+    return hashlib.sha256(b"".join(lines)).hexdigest(), lines
+
+
+def test_chunks_are_whole_lines_of_at_least_the_chunk_size_in_a_few_reused_buffers() -> None:
+    records = _records(400, payload=700)
+    sink = ChunkSink()
+    summary = write_records(sink, records, chunk_size=4096)
+    digest, lines = _expected(records)
+    assert summary.sha256 == digest == sink.hasher.hexdigest()
+    assert summary.size == sum(sink.sizes) == sum(map(len, lines))
+    largest = max(map(len, lines))
+    assert all(4096 <= size < 4096 + largest for size in sink.sizes[:-1])
+    assert len(sink.sizes) > 3 * records_module._BUFFERS, "enough chunks for the buffers to come round again"
+    distinct = {id(buffer) for buffer in sink.buffers}
+    assert len(distinct) <= records_module._BUFFERS
+    # each chunk starts with a line: the buffers were refilled from their start
+    starts = {line[:16] for line in lines}
+    assert all(start in starts for start in sink.copies)
+
+
+def test_a_large_file_goes_on_in_larger_chunks_in_the_same_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(records_module, "_LARGE_FILE", 64 * 1024)
+    records = _records(600, payload=900)
+    sink = ChunkSink()
+    chunk = 1024
+    summary = write_records(sink, records, chunk_size=chunk)
+    digest, lines = _expected(records)
+    assert summary.sha256 == digest == sink.hasher.hexdigest()
+    assert summary.count == len(records)
+    large = chunk * records_module._BUFFERS // records_module._LARGE_BUFFERS
+    # small chunks until 64 KiB were handed over, larger ones after
+    handed, switched_at = 0, None
+    for index, size in enumerate(sink.sizes):
+        if handed >= 64 * 1024:
+            switched_at = index
+            break
+        handed += size
+    assert switched_at is not None and switched_at >= 16
+    largest = max(map(len, lines))
+    assert all(chunk <= size < chunk + largest for size in sink.sizes[: switched_at - 1])
+    assert all(size >= large for size in sink.sizes[switched_at:-1])
+    assert len(sink.sizes) - switched_at > 10
+    # after the switch, no more than _LARGE_BUFFERS buffers take turns (the others were let go)
+    late = {id(buffer) for buffer in sink.buffers[switched_at + records_module._BUFFERS :]}
+    assert len(late) <= records_module._LARGE_BUFFERS
+
+
+def test_small_files_keep_their_chunk_size() -> None:
+    records = _records(200, payload=300)
+    sink = ChunkSink()
+    write_records(sink, records, chunk_size=2048)
+    largest = max(len(encode_record(record)[1]) for record in records)
+    assert all(2048 <= size < 2048 + largest for size in sink.sizes[:-1])
