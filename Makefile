@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+# what an install builds from: an edited setup.py or C accelerator is reinstalled (rebuilt) by the next target
+INSTALL_INPUTS := pyproject.toml setup.py gymckpt/store/_exact.c
 
 .PHONY: demo test bench bench-scale lint clean
 
@@ -12,12 +14,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): $(INSTALL_INPUTS) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $(STAMP)
 
 # the dev extras include the base dependencies: a dev install serves `make demo` too
-$(DEV_STAMP): pyproject.toml | $(BIN)/python
+$(DEV_STAMP): $(INSTALL_INPUTS) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(DEV_STAMP) $(STAMP)
 

@@ -16,7 +16,8 @@ ACCELERATOR = Extension(
     "gymckpt.store._exact",
     sources=["gymckpt/store/_exact.c"],
     optional=True,
-    extra_compile_args=["-O2"] if sys.platform != "win32" else [],
+    # IEEE double arithmetic as written (no fused multiply-add): the short float path relies on it
+    extra_compile_args=["-O2", "-ffp-contract=off"] if sys.platform != "win32" else [],
 )
 
 

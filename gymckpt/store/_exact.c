@@ -1,24 +1,21 @@
 /*
- * gymckpt.store._exact: the records codec's two exactness walks, in C.
+ * gymckpt.store._exact: the records codec's exactness walk and exact encoder, in C.
  *
- * Optional: gymckpt/store/_walks.py has the same walks in Python and uses them when this
- * module is not built (no C compiler at install) or GYMCKPT_PURE_PYTHON=1. Both answer
- * the same for every value orjson accepts; tests/store/test_codec_accelerator.py compares them.
+ * Optional: gymckpt/store/codec.py and _walks.py do the same in Python (the walk, and
+ * json.dumps for the encoder) and use them when this module is not built (no C compiler at
+ * install) or GYMCKPT_PURE_PYTHON=1; tests/store/test_codec_accelerator.py compares them.
  *
  * fast_path_safe(value) -> bool
  *     True when value holds only exact dict (str keys), list, str, int within
  *     [-2**63, 2**64 - 1], finite float, bool and None, nested at most MAX_LEVELS deep:
  *     what orjson writes exactly.
- * with_fragments(value) -> object | None
- *     value with NaN, +/-Infinity and integers beyond 64 bits replaced by orjson
- *     Fragments (value itself when it holds none, else copies of the containers on the way
- *     to them); None when it holds any other type or nests deeper than MAX_LEVELS.
- * configure(nan, inf, ninf, big_int) -> None
- *     The fragments with_fragments puts in place, and the callable that makes one of an int.
+ * exact_line(value) -> bytes | None
+ *     json.dumps(value, ensure_ascii=True, allow_nan=True, separators=(",", ": ")) plus a
+ *     newline, byte for byte, for a value of exact JSON types (str keys) at most MAX_LEVELS
+ *     deep without surrogate pairs or ints beyond the interpreter's digit limit; None for
+ *     anything else (the Python path writes it or refuses it by name).
  *
- * fast_path_safe allocates nothing and runs no Python code. with_fragments holds a reference
- * to every container and item it is looking at, so code run meanwhile (the big_int callable,
- * a collection) cannot free them under it.
+ * Neither runs Python code or allocates a container: borrowed references stay valid.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,10 +24,6 @@
 /* orjson writes at most this many nested containers (the record itself is one) */
 #define MAX_LEVELS 254
 
-static PyObject *nan_fragment = NULL;
-static PyObject *inf_fragment = NULL;
-static PyObject *ninf_fragment = NULL;
-static PyObject *big_int_fragment = NULL;
 static PyObject *uint64_max = NULL;
 
 /* 1 when orjson writes the (exact) int: -2**63 <= number <= 2**64 - 1; 0 otherwise, never an error */
@@ -113,197 +106,422 @@ fast_path_safe(PyObject *module, PyObject *value)
     return PyBool_FromLong(fast_item(value, 0));
 }
 
-/* with_fragments' walk: 1 and *out (a new reference: item itself or its replacement),
- * 0 when item is refused, -1 on an error (set) */
-static int fragment_container(PyObject *node, int level, PyObject **out);
+/* ---- exact_line: json.dumps(value, ensure_ascii=True, allow_nan=True, separators=(",", ": ")) + "\n" ----
+ *
+ * Byte for byte what the standard library writes (gymckpt's exact lines before this module
+ * existed, so a retried commit hashes the same): floats through PyOS_double_to_string as
+ * float.__repr__ does, ints as int.__repr__, strings escaped as json's ensure_ascii does.
+ * Each writer returns 1 (written), 0 (refused: left to the Python path, which writes it or
+ * names what JSON cannot hold) or -1 (an error is set). No Python code runs meanwhile and
+ * no container is changed, so borrowed references stay valid.
+ */
+
+typedef struct {
+    PyObject *bytes; /* the line being written, over-allocated */
+    char *data;
+    Py_ssize_t size;
+    Py_ssize_t capacity;
+} Line;
 
 static int
-fragment_item(PyObject *item, int level, PyObject **out)
+line_reserve(Line *line, Py_ssize_t extra)
 {
-    PyTypeObject *type = Py_TYPE(item);
-    if (type == &PyUnicode_Type || item == Py_None || type == &PyBool_Type) {
-        *out = Py_NewRef(item);
+    if (extra <= line->capacity - line->size) {
+        return 0;
+    }
+    Py_ssize_t capacity = line->capacity;
+    while (extra > capacity - line->size) {
+        if (capacity > PY_SSIZE_T_MAX / 2) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        capacity *= 2;
+    }
+    if (_PyBytes_Resize(&line->bytes, capacity) < 0) {
+        return -1; /* line->bytes is NULL now */
+    }
+    line->data = PyBytes_AS_STRING(line->bytes);
+    line->capacity = capacity;
+    return 0;
+}
+
+static inline int
+line_write(Line *line, const char *text, Py_ssize_t length)
+{
+    if (line_reserve(line, length) < 0) {
+        return -1;
+    }
+    memcpy(line->data + line->size, text, (size_t)length);
+    line->size += length;
+    return 1;
+}
+
+static const char hex_digits[] = "0123456789abcdef";
+
+/* printable ASCII but the quote and the backslash: written as it is */
+#define PLAIN(c) ((c) >= ' ' && (c) <= '~' && (c) != '\\' && (c) != '"')
+
+static inline Py_ssize_t
+escaped_length(Py_UCS4 c)
+{
+    if (PLAIN(c)) {
         return 1;
+    }
+    if (c == '\\' || c == '"' || c == '\b' || c == '\f' || c == '\n' || c == '\r' || c == '\t') {
+        return 2;
+    }
+    return c >= 0x10000 ? 12 : 6;
+}
+
+static inline char *
+write_u_escape(char *out, Py_UCS4 c)
+{
+    *out++ = '\\';
+    *out++ = 'u';
+    *out++ = hex_digits[(c >> 12) & 0xf];
+    *out++ = hex_digits[(c >> 8) & 0xf];
+    *out++ = hex_digits[(c >> 4) & 0xf];
+    *out++ = hex_digits[c & 0xf];
+    return out;
+}
+
+static inline char *
+write_escaped(char *out, Py_UCS4 c)
+{
+    if (PLAIN(c)) {
+        *out++ = (char)c;
+        return out;
+    }
+    switch (c) {
+    case '\\': *out++ = '\\'; *out++ = '\\'; return out;
+    case '"': *out++ = '\\'; *out++ = '"'; return out;
+    case '\b': *out++ = '\\'; *out++ = 'b'; return out;
+    case '\f': *out++ = '\\'; *out++ = 'f'; return out;
+    case '\n': *out++ = '\\'; *out++ = 'n'; return out;
+    case '\r': *out++ = '\\'; *out++ = 'r'; return out;
+    case '\t': *out++ = '\\'; *out++ = 't'; return out;
+    default: break;
+    }
+    if (c >= 0x10000) { /* a UTF-16 surrogate pair, as json writes it */
+        out = write_u_escape(out, Py_UNICODE_HIGH_SURROGATE(c));
+        c = Py_UNICODE_LOW_SURROGATE(c);
+    }
+    return write_u_escape(out, c);
+}
+
+/* a string as json writes it with ensure_ascii; refused (0) when it holds a high surrogate followed
+ * by a low one (two code points JSON would read back as one character) */
+static int
+write_string(Line *line, PyObject *text)
+{
+    const Py_ssize_t count = PyUnicode_GET_LENGTH(text);
+    const int kind = PyUnicode_KIND(text);
+    const void *data = PyUnicode_DATA(text);
+    Py_ssize_t length = 2;
+    if (PyUnicode_IS_ASCII(text)) {
+        const Py_UCS1 *chars = (const Py_UCS1 *)data;
+        for (Py_ssize_t index = 0; index < count; index++) {
+            length += PLAIN(chars[index]) ? 1 : escaped_length(chars[index]);
+        }
+    }
+    else {
+        Py_UCS4 previous = 0;
+        for (Py_ssize_t index = 0; index < count; index++) {
+            Py_UCS4 c = PyUnicode_READ(kind, data, index);
+            if (Py_UNICODE_IS_LOW_SURROGATE(c) && Py_UNICODE_IS_HIGH_SURROGATE(previous)) {
+                return 0;
+            }
+            previous = c;
+            length += escaped_length(c);
+        }
+    }
+    if (line_reserve(line, length) < 0) {
+        return -1;
+    }
+    char *out = line->data + line->size;
+    *out++ = '"';
+    if (length == count + 2) { /* nothing to escape */
+        for (Py_ssize_t index = 0; index < count; index++) {
+            *out++ = (char)PyUnicode_READ(kind, data, index);
+        }
+    }
+    else {
+        for (Py_ssize_t index = 0; index < count; index++) {
+            out = write_escaped(out, PyUnicode_READ(kind, data, index));
+        }
+    }
+    *out++ = '"';
+    line->size += length;
+    return 1;
+}
+
+static int
+write_int(Line *line, PyObject *number)
+{
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(number, &overflow);
+    if (overflow == 0) {
+        if (value == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        char digits[24];
+        char *end = digits + sizeof(digits);
+        char *start = end;
+        unsigned long long rest = value < 0 ? 0ULL - (unsigned long long)value : (unsigned long long)value;
+        do {
+            *--start = (char)('0' + rest % 10);
+            rest /= 10;
+        } while (rest);
+        if (value < 0) {
+            *--start = '-';
+        }
+        return line_write(line, start, end - start);
+    }
+    /* beyond 64 bits: int.__repr__, which refuses more digits than the interpreter's limit */
+    PyObject *text = PyLong_Type.tp_repr(number);
+    if (text == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear();
+            return 0; /* the Python path writes it, with the limit lifted */
+        }
+        return -1;
+    }
+    int written = line_write(line, (const char *)PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text));
+    Py_DECREF(text);
+    return written;
+}
+
+/* 10**0 .. 10**22, each exact as a double */
+static const double powers_of_ten[] = {
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11,
+    1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+};
+
+/* 10**-4 .. 10**15, to place a double among them (the negative ones need not be exact) */
+static const double decades[] = {1e-4, 1e-3, 1e-2, 1e-1, 1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7,
+                                 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15};
+
+/* float.__repr__ of value, written without the dtoa when it has a short decimal form: 1 when
+ * written, 0 when value is left to PyOS_double_to_string.
+ *
+ * Taken only for 1e-4 <= |value| < 1e15 (float.__repr__ writes no exponent there) when the
+ * decimal n / 10**k with 15 significant digits nearest to |value| reads back as |value|: n / 10**k
+ * in double arithmetic is correctly rounded (both are exact), so that comparison is exact.
+ * Distinct decimals of at most 15 significant digits read back as distinct doubles (DBL_DIG), so
+ * the shortest decimal that reads back as value, which is what repr writes, is that one without
+ * its trailing zeros; where the shortest has more than 15 digits the comparison fails. */
+static int
+write_short_float(Line *line, double value)
+{
+    double magnitude = fabs(value);
+    if (!(magnitude >= 1e-4 && magnitude < 1e15)) {
+        return 0;
+    }
+    int binary;
+    (void)frexp(magnitude, &binary);
+    int decade = (int)floor((binary - 1) * 0.30102999566398120); /* log10(magnitude), or one below */
+    if (decade < -4) {
+        decade = -4;
+    }
+    while (decade < 14 && magnitude >= decades[decade + 5]) {
+        decade++;
+    }
+    int scale = 14 - decade; /* magnitude * 10**scale in [1e14, 1e15): 15 digits */
+    long long integral = (long long)(magnitude * powers_of_ten[scale] + 0.5); /* the division decides */
+    if (integral >= 1000000000000000LL || (double)integral / powers_of_ten[scale] != magnitude) {
+        return 0;
+    }
+    while (scale > 0 && integral % 10 == 0) {
+        integral /= 10;
+        scale--;
+    }
+    char digits[24];
+    char *end = digits + sizeof(digits);
+    char *start = end;
+    do {
+        *--start = (char)('0' + integral % 10);
+        integral /= 10;
+    } while (integral);
+    const int count = (int)(end - start);
+    char text[48];
+    char *out = text;
+    if (value < 0) {
+        *out++ = '-';
+    }
+    if (scale == 0) {
+        memcpy(out, start, (size_t)count);
+        out += count;
+        *out++ = '.';
+        *out++ = '0';
+    }
+    else if (count > scale) {
+        memcpy(out, start, (size_t)(count - scale));
+        out += count - scale;
+        *out++ = '.';
+        memcpy(out, start + count - scale, (size_t)scale);
+        out += scale;
+    }
+    else {
+        *out++ = '0';
+        *out++ = '.';
+        memset(out, '0', (size_t)(scale - count));
+        out += scale - count;
+        memcpy(out, start, (size_t)count);
+        out += count;
+    }
+    return line_write(line, text, out - text);
+}
+
+static int
+write_float(Line *line, PyObject *number)
+{
+    double value = PyFloat_AS_DOUBLE(number);
+    if (!isfinite(value)) {
+        if (value > 0) {
+            return line_write(line, "Infinity", 8);
+        }
+        return value < 0 ? line_write(line, "-Infinity", 9) : line_write(line, "NaN", 3);
+    }
+    int written = write_short_float(line, value);
+    if (written != 0) {
+        return written;
+    }
+    /* float.__repr__ exactly */
+    char *text = PyOS_double_to_string(value, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+    if (text == NULL) {
+        return -1;
+    }
+    written = line_write(line, text, (Py_ssize_t)strlen(text));
+    PyMem_Free(text);
+    return written;
+}
+
+static int write_value(Line *line, PyObject *value, int level);
+
+static int
+write_dict(Line *line, PyObject *node, int level)
+{
+    if (PyDict_GET_SIZE(node) == 0) {
+        return line_write(line, "{}", 2);
+    }
+    if (line_write(line, "{", 1) < 0) {
+        return -1;
+    }
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
+    int first = 1;
+    while (PyDict_Next(node, &position, &key, &value)) {
+        if (Py_TYPE(key) != &PyUnicode_Type) {
+            return 0;
+        }
+        if (!first && line_write(line, ",", 1) < 0) {
+            return -1;
+        }
+        first = 0;
+        int written = write_string(line, key);
+        if (written <= 0) {
+            return written;
+        }
+        if (line_write(line, ": ", 2) < 0) {
+            return -1;
+        }
+        written = write_value(line, value, level);
+        if (written <= 0) {
+            return written;
+        }
+    }
+    return line_write(line, "}", 1);
+}
+
+static int
+write_list(Line *line, PyObject *node, int level)
+{
+    const Py_ssize_t size = PyList_GET_SIZE(node);
+    if (line_write(line, "[", 1) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t index = 0; index < size; index++) {
+        if (index && line_write(line, ",", 1) < 0) {
+            return -1;
+        }
+        int written = write_value(line, PyList_GET_ITEM(node, index), level);
+        if (written <= 0) {
+            return written;
+        }
+    }
+    return line_write(line, "]", 1);
+}
+
+/* value sits in a container at level (the record itself at 0) */
+static int
+write_value(Line *line, PyObject *value, int level)
+{
+    PyTypeObject *type = Py_TYPE(value);
+    if (type == &PyFloat_Type) {
+        return write_float(line, value);
     }
     if (type == &PyLong_Type) {
-        if (int_fits(item)) {
-            *out = Py_NewRef(item);
-            return 1;
-        }
-        *out = PyObject_CallOneArg(big_int_fragment, item);
-        return *out == NULL ? -1 : 1;
+        return write_int(line, value);
     }
-    if (type == &PyFloat_Type) {
-        double number = PyFloat_AS_DOUBLE(item);
-        if (isfinite(number)) {
-            *out = Py_NewRef(item);
-        }
-        else if (isnan(number)) {
-            *out = Py_NewRef(nan_fragment);
-        }
-        else {
-            *out = Py_NewRef(number > 0 ? inf_fragment : ninf_fragment);
-        }
-        return 1;
+    if (type == &PyUnicode_Type) {
+        return write_string(line, value);
+    }
+    if (value == Py_None) {
+        return line_write(line, "null", 4);
+    }
+    if (value == Py_True) {
+        return line_write(line, "true", 4);
+    }
+    if (value == Py_False) {
+        return line_write(line, "false", 5);
     }
     if (type == &PyDict_Type || type == &PyList_Type) {
-        return fragment_container(item, level + 1, out);
+        if (level + 1 > MAX_LEVELS) {
+            return 0; /* deeper (or a cycle): the Python path decides */
+        }
+        return type == &PyDict_Type ? write_dict(line, value, level + 1) : write_list(line, value, level + 1);
     }
     return 0;
 }
 
-/* a container that changes size while it is walked (code run by big_int, another thread) is an error */
-static int
-changed_size(const char *what)
-{
-    PyErr_Format(PyExc_RuntimeError, "%s changed size while the record was encoded", what);
-    return -1;
-}
-
-static int
-fragment_dict(PyObject *node, int level, PyObject **out)
-{
-    const Py_ssize_t size = PyDict_GET_SIZE(node);
-    PyObject *copy = NULL;
-    Py_ssize_t position = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(node, &position, &key, &value)) {
-        if (Py_TYPE(key) != &PyUnicode_Type) {
-            Py_XDECREF(copy);
-            return 0;
-        }
-        Py_INCREF(key);
-        Py_INCREF(value);
-        PyObject *replaced = NULL;
-        int found = fragment_item(value, level, &replaced);
-        if (found > 0 && PyDict_GET_SIZE(node) != size) {
-            found = changed_size("a dict");
-        }
-        if (found > 0 && replaced != value) {
-            /* the first change copies the dict: setting a key it holds keeps the key's place */
-            if (copy == NULL) {
-                copy = PyDict_Copy(node);
-            }
-            if (copy == NULL || PyDict_SetItem(copy, key, replaced) < 0) {
-                found = -1;
-            }
-        }
-        Py_XDECREF(replaced);
-        Py_DECREF(value);
-        Py_DECREF(key);
-        if (found <= 0) {
-            Py_XDECREF(copy);
-            return found;
-        }
-    }
-    *out = copy != NULL ? copy : Py_NewRef(node);
-    return 1;
-}
-
-static int
-fragment_list(PyObject *node, int level, PyObject **out)
-{
-    const Py_ssize_t size = PyList_GET_SIZE(node);
-    PyObject *copy = NULL;
-    for (Py_ssize_t index = 0; index < size; index++) {
-        if (PyList_GET_SIZE(node) != size) {
-            Py_XDECREF(copy);
-            return changed_size("a list");
-        }
-        PyObject *item = Py_NewRef(PyList_GET_ITEM(node, index));
-        PyObject *replaced = NULL;
-        int found = fragment_item(item, level, &replaced);
-        if (found > 0 && replaced != item) {
-            /* the first change copies the list, of the size it had when the walk began */
-            if (copy == NULL && PyList_GET_SIZE(node) == size) {
-                copy = PyList_GetSlice(node, 0, size);
-                found = copy == NULL ? -1 : found;
-            }
-            else if (copy == NULL) {
-                found = changed_size("a list");
-            }
-            if (found > 0) {
-                PyObject *old = PyList_GET_ITEM(copy, index);
-                PyList_SET_ITEM(copy, index, replaced); /* steals replaced */
-                Py_DECREF(old);
-                replaced = NULL;
-            }
-        }
-        Py_XDECREF(replaced);
-        Py_DECREF(item);
-        if (found <= 0) {
-            Py_XDECREF(copy);
-            return found;
-        }
-    }
-    *out = copy != NULL ? copy : Py_NewRef(node);
-    return 1;
-}
-
-static int
-fragment_container(PyObject *node, int level, PyObject **out)
-{
-    if (level > MAX_LEVELS) {
-        return 0;
-    }
-    Py_INCREF(node);
-    int found = Py_TYPE(node) == &PyDict_Type ? fragment_dict(node, level, out) : fragment_list(node, level, out);
-    Py_DECREF(node);
-    return found;
-}
-
 static PyObject *
-with_fragments(PyObject *module, PyObject *value)
+exact_line(PyObject *module, PyObject *value)
 {
     (void)module;
-    if (big_int_fragment == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "gymckpt.store._exact.configure() was not called");
+    Line line = {PyBytes_FromStringAndSize(NULL, 4096), NULL, 0, 4096};
+    if (line.bytes == NULL) {
         return NULL;
     }
-    PyObject *out = NULL;
-    int found = fragment_item(value, 0, &out);
-    if (found < 0) {
-        return NULL;
+    line.data = PyBytes_AS_STRING(line.bytes);
+    int written = write_value(&line, value, 0);
+    if (written > 0) {
+        written = line_write(&line, "\n", 1);
     }
-    if (found == 0) {
+    if (written <= 0) {
+        Py_XDECREF(line.bytes);
+        if (written < 0) {
+            return NULL;
+        }
         Py_RETURN_NONE;
     }
-    return out;
-}
-
-static PyObject *
-configure(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "configure(nan, inf, ninf, big_int) takes 4 arguments");
+    if (_PyBytes_Resize(&line.bytes, line.size) < 0) {
         return NULL;
     }
-    if (!PyCallable_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "configure: big_int must be callable");
-        return NULL;
-    }
-    Py_XSETREF(nan_fragment, Py_NewRef(args[0]));
-    Py_XSETREF(inf_fragment, Py_NewRef(args[1]));
-    Py_XSETREF(ninf_fragment, Py_NewRef(args[2]));
-    Py_XSETREF(big_int_fragment, Py_NewRef(args[3]));
-    Py_RETURN_NONE;
+    return line.bytes;
 }
 
 static PyMethodDef methods[] = {
     {"fast_path_safe", fast_path_safe, METH_O,
      "fast_path_safe(value) -> bool: True when orjson writes value exactly (exact JSON types, finite floats, "
      "64-bit ints, at most 254 levels)."},
-    {"with_fragments", with_fragments, METH_O,
-     "with_fragments(value) -> object | None: value with NaN, +/-Infinity and big ints as orjson Fragments; "
-     "None when it holds another type or nests deeper than 254 levels."},
-    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
-     "configure(nan, inf, ninf, big_int) -> None: the fragments with_fragments uses."},
+    {"exact_line", exact_line, METH_O,
+     "exact_line(value) -> bytes | None: json.dumps(value, ensure_ascii=True, allow_nan=True, "
+     "separators=(',', ': ')) and a newline, byte for byte; None for what it leaves to the Python path."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_definition = {
-    PyModuleDef_HEAD_INIT, "gymckpt.store._exact", "The records codec's exactness walks, in C.", -1, methods,
+    PyModuleDef_HEAD_INIT, "gymckpt.store._exact", "The records codec's exactness walk and exact encoder, in C.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -70,7 +70,11 @@ class BlobSink(ABC):
 
     @abstractmethod
     def write(self, chunk: bytes | memoryview) -> None:
-        """Append ``chunk``; may run on a worker thread, never concurrently with itself."""
+        """Append ``chunk``; may run on a worker thread, never concurrently with itself.
+
+        ``chunk`` is valid only during the call: the records writer fills the same buffer again
+        once ``write`` returns, so a sink copies whatever it keeps of it (bytes, a buffer's ``+=``).
+        """
 
     @abstractmethod
     def finish(self) -> None:

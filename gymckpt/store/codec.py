@@ -2,20 +2,21 @@
 
 Fast path: orjson, after one cheap type walk that finds what orjson would get wrong
 (NaN and infinities, which it writes as ``null``; tuples, enums and UUIDs, which it
-converts silently). Exact path, for records that hold NaN, +/-Infinity or integers beyond
-64 bits: orjson again, on a copy of the containers on the way to those values with each
-of them as an ``orjson.Fragment`` (``NaN``, ``Infinity``, the integer's digits). The
-standard library's encoder writes only what orjson cannot: lone surrogates and nesting
-deeper than orjson accepts.
+converts silently). Exact path, for records that hold NaN, +/-Infinity, integers beyond
+64 bits, lone surrogates or nesting deeper than orjson accepts: the standard library's
+``json.dumps`` format (``", "``-less items, ``": "`` after keys, ASCII escapes), the bytes
+gymckpt has always written for such a record, so a commit retried after an upgrade hashes
+the same. A compiled encoder writes those bytes where it is built; ``json.dumps`` itself
+writes what it leaves (and everything without it).
 
 A line from the exact path starts with ``{"episode_id": `` (a space after the colon);
 a fast line starts with ``{"episode_id":"``. The decoder picks its decoder from that
 prefix alone, so a big integer is never read back as a float by orjson. Both are plain
 JSON that any reader accepts.
 
-The type walks live in :mod:`gymckpt.store._walks`, with a C twin built at install where a
-C compiler works; :data:`ACCELERATED` says which ones run (``GYMCKPT_PURE_PYTHON=1`` keeps
-to the Python ones).
+The type walk and the compiled encoder live in :mod:`gymckpt.store._walks` (C where a C
+compiler worked at install); :data:`ACCELERATED` says whether the C ones run
+(``GYMCKPT_PURE_PYTHON=1`` keeps to Python).
 
 Reference-format records (read only, :func:`reference_episode_id_of_line` and
 :func:`decode_reference_record`) are ``json.dumps`` lines: ``", "`` and ``": "``
@@ -74,9 +75,10 @@ _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATAC
 _LINE_OPTIONS = _ORJSON_OPTIONS | orjson.OPT_APPEND_NEWLINE
 #: what orjson writes before a record's episode id: ``{"episode_id":``
 _FAST_HEAD = len(FAST_PREFIX) - 1
-#: the walks encode_record uses (gymckpt.store._walks): the C ones where built, else the Python ones
+#: what encode_record uses (gymckpt.store._walks): the C walk and encoder where built, else the
+#: Python walk and no encoder (json.dumps writes every exact line)
 _fast_walk = _walks.FAST_WALK
-_fragment_walk = _walks.FRAGMENT_WALK
+_exact_encoder = _walks.EXACT_LINE
 _SURROGATE_PAIR = re.compile("[\ud800-\udbff][\udc00-\udfff]")
 _EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTALL)
 
@@ -279,16 +281,10 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
             return episode_id, line
         strings_clean = True  # NaN or an infinity (or a type orjson converts): orjson vouched for the strings
         del line
-    # NaN, infinities and big integers as Fragments; the walk stops below orjson's depth, so a cycle ends too
-    fragments = _fragment_walk(record)
-    if fragments is not None:
-        try:
-            line = orjson.dumps(fragments, default=_refuse, option=_LINE_OPTIONS)
-        except TypeError:
-            pass  # a lone surrogate: the standard library writes it
-        else:
-            return episode_id, EXACT_PREFIX + line[_FAST_HEAD:]
-        del fragments
+    if _exact_encoder is not None:
+        line = _exact_encoder(record)  # json.dumps's bytes, or None for what it leaves to json.dumps
+        if line is not None:
+            return episode_id, line
     depth = _exact_path_safe(record, check_strings=not strings_clean)
     if depth is None:
         check_json(record, episode_id=episode_id)  # raises, naming the first bad value

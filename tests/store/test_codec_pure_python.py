@@ -1,13 +1,15 @@
-"""The whole records codec contract (test_codec.py) once more, with the pure-Python walks.
+"""The whole records codec contract (test_codec.py) once more, on the pure-Python path.
 
-test_codec.py runs with whatever walks the codec chose (the C ones where they are built);
-here every one of its tests runs with the Python ones, which a machine without a C
-compiler uses, so both paths stay tested in ``make test``.
+test_codec.py runs with whatever the codec chose (the C walk and exact encoder where they are
+built); here every one of its tests runs with the Python walk and no compiled encoder
+(``json.dumps`` writes every exact line), as on a machine without a C compiler, so both
+paths stay tested in ``make test``. The spies below prove the Python functions are the ones
+that ran.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -22,12 +24,28 @@ if TYPE_CHECKING:
 def pure_python_walks() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(codec, "_fast_walk", _walks.fast_path_safe)
-        patch.setattr(codec, "_fragment_walk", _walks.with_fragments)
+        patch.setattr(codec, "_exact_encoder", None)
         yield
 
 
-def test_the_python_walks_are_the_ones_in_use() -> None:
-    _, line = codec.encode_record({"episode_id": "p", "v": [float("nan")]})
-    assert codec._fast_walk is _walks.fast_path_safe
-    assert codec._fragment_walk is _walks.with_fragments
-    assert line == b'{"episode_id": "p","v":[NaN]}\n'
+def test_the_python_path_is_the_one_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    walked: list[object] = []
+    dumped: list[object] = []
+    real_walk, real_line = _walks.fast_path_safe, codec._exact_line
+
+    def walk(value: object) -> bool:
+        walked.append(value)
+        return real_walk(value)
+
+    def line(record: dict[str, Any], depth: int) -> bytes:
+        dumped.append(record)
+        return real_line(record, depth)
+
+    monkeypatch.setattr(codec, "_fast_walk", walk)
+    monkeypatch.setattr(codec, "_exact_line", line)
+    fast = {"episode_id": "f", "v": [1.5]}
+    exact = {"episode_id": "p", "v": [float("nan")]}
+    assert codec.encode_record(fast)[1] == b'{"episode_id":"f","v":[1.5]}\n'
+    assert codec.encode_record(exact)[1] == b'{"episode_id": "p","v": [NaN]}\n'
+    assert walked == [fast, exact]
+    assert dumped == [exact]  # json.dumps wrote the exact line
