@@ -15,7 +15,16 @@
  *     deep without surrogate pairs or ints beyond the interpreter's digit limit; None for
  *     anything else (the Python path writes it or refuses it by name).
  *
- * Neither runs Python code or allocates a container: borrowed references stay valid.
+ * encode_line(record) -> (episode_id, line) | None
+ *     codec.encode_record's answer in one call (orjson.dumps, the fast walk, exact_line), for a
+ *     record led by its episode_id; None where the Python code decides (and raises, if it must).
+ *     configure_encoder(dumps, default, option) sets how it calls orjson.
+ * decode_line(line) -> (episode_id, record) | None
+ *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes;
+ *     None where the Python code decides. configure_decoder(loads) sets the orjson.loads it calls.
+ *
+ * The walk and exact_line run no Python code and allocate no container: borrowed references
+ * stay valid.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -510,6 +519,207 @@ exact_line(PyObject *module, PyObject *value)
     return line.bytes;
 }
 
+/* ---- encode_line: codec.encode_record's common case in one call ---- */
+
+static PyObject *orjson_dumps = NULL; /* orjson.dumps */
+static PyObject *dumps_default = NULL; /* codec._refuse */
+static PyObject *dumps_option = NULL;  /* the line options */
+static PyObject *dumps_kwnames = NULL; /* ("default", "option") */
+static PyObject *episode_id_key = NULL;
+
+static PyObject *
+configure_encoder(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3 || !PyCallable_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "configure_encoder(dumps, default, option): dumps must be callable");
+        return NULL;
+    }
+    if (dumps_kwnames == NULL) {
+        /* interned, as a call written in Python passes them: orjson matches keyword names by identity */
+        PyObject *names = PyTuple_New(2);
+        PyObject *name_default = PyUnicode_InternFromString("default");
+        PyObject *name_option = PyUnicode_InternFromString("option");
+        if (names == NULL || name_default == NULL || name_option == NULL) {
+            Py_XDECREF(names);
+            Py_XDECREF(name_default);
+            Py_XDECREF(name_option);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(names, 0, name_default);
+        PyTuple_SET_ITEM(names, 1, name_option);
+        dumps_kwnames = names;
+    }
+    if (episode_id_key == NULL && (episode_id_key = PyUnicode_InternFromString("episode_id")) == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(orjson_dumps, Py_NewRef(args[0]));
+    Py_XSETREF(dumps_default, Py_NewRef(args[1]));
+    Py_XSETREF(dumps_option, Py_NewRef(args[2]));
+    Py_RETURN_NONE;
+}
+
+/* (episode_id, line) of a record, as codec.encode_record returns them, or None where the Python
+ * code decides: anything but an exact dict led by a non-empty exact str episode_id, a record
+ * orjson refuses, or one exact_line leaves. orjson's line when the fast walk passes it, else
+ * exact_line's. */
+static PyObject *
+encode_line(PyObject *module, PyObject *record)
+{
+    (void)module;
+    if (orjson_dumps == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "gymckpt.store._exact.configure_encoder() was not called");
+        return NULL;
+    }
+    if (Py_TYPE(record) != &PyDict_Type) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t position = 0;
+    PyObject *key, *episode_id;
+    if (!PyDict_Next(record, &position, &key, &episode_id) || Py_TYPE(key) != &PyUnicode_Type ||
+        Py_TYPE(episode_id) != &PyUnicode_Type || PyUnicode_GET_LENGTH(episode_id) == 0) {
+        Py_RETURN_NONE;
+    }
+    int named = PyUnicode_Compare(key, episode_id_key);
+    if (named != 0) {
+        if (named == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(episode_id); /* orjson.dumps runs _refuse, Python code: keep the id alive */
+    PyObject *args[] = {record, dumps_default, dumps_option};
+    PyObject *line = PyObject_Vectorcall(orjson_dumps, args, 1, dumps_kwnames);
+    if (line == NULL) {
+        Py_DECREF(episode_id);
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return NULL;
+        }
+        /* a big int, a lone surrogate, deep nesting, a cycle, not JSON: the Python code decides (and
+         * a call orjson refused for any other reason can never turn a fast line into an exact one) */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (fast_item(record, 0)) {
+        PyObject *pair = PyTuple_Pack(2, episode_id, line);
+        Py_DECREF(line);
+        Py_DECREF(episode_id);
+        return pair;
+    }
+    Py_DECREF(line);
+    line = exact_line(NULL, record); /* NaN, an infinity, or a type orjson converts */
+    if (line == NULL || line == Py_None) {
+        Py_DECREF(episode_id);
+        return line;
+    }
+    PyObject *pair = PyTuple_Pack(2, episode_id, line);
+    Py_DECREF(line);
+    Py_DECREF(episode_id);
+    return pair;
+}
+
+/* ---- decode_line: codec.decode_line_and_id's common case in one call ---- */
+
+static PyObject *orjson_loads = NULL; /* orjson.loads */
+
+static PyObject *
+configure_decoder(PyObject *module, PyObject *loads)
+{
+    (void)module;
+    if (!PyCallable_Check(loads)) {
+        PyErr_SetString(PyExc_TypeError, "configure_decoder(loads): loads must be callable");
+        return NULL;
+    }
+    if (episode_id_key == NULL && (episode_id_key = PyUnicode_InternFromString("episode_id")) == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(orjson_loads, Py_NewRef(loads));
+    Py_RETURN_NONE;
+}
+
+static const char fast_prefix[] = "{\"episode_id\":\""; /* codec.FAST_PREFIX */
+#define FAST_PREFIX_LENGTH 15
+
+/* 1 when the line (its buffer) starts with the fast prefix */
+static int
+has_fast_prefix(PyObject *line)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(line, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int found = view.len > FAST_PREFIX_LENGTH && memcmp(view.buf, fast_prefix, FAST_PREFIX_LENGTH) == 0;
+    PyBuffer_Release(&view);
+    return found;
+}
+
+/* 1 when the line's leading token is exactly '"' + the id's UTF-8 + '"' (how orjson writes an id
+ * without a quote, a backslash or a control character); 0 otherwise, never an error */
+static int
+leads_with(PyObject *line, PyObject *episode_id)
+{
+    Py_ssize_t size;
+    const char *text = PyUnicode_AsUTF8AndSize(episode_id, &size);
+    if (text == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    for (Py_ssize_t index = 0; index < size; index++) {
+        unsigned char c = (unsigned char)text[index];
+        if (c < 0x20 || c == '"' || c == '\\') {
+            return 0;
+        }
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(line, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *bytes = (const char *)view.buf;
+    int found = view.len > FAST_PREFIX_LENGTH + size && memcmp(bytes, fast_prefix, FAST_PREFIX_LENGTH) == 0 &&
+                memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 &&
+                bytes[FAST_PREFIX_LENGTH + size] == '"';
+    PyBuffer_Release(&view);
+    return found;
+}
+
+/* (episode_id, record) of a fast line (bytes or memoryview), as codec.decode_line_and_id returns
+ * them, or None where the Python code decides: an exact or damaged line, or an id orjson spells
+ * with escapes. */
+static PyObject *
+decode_line(PyObject *module, PyObject *line)
+{
+    (void)module;
+    if (orjson_loads == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "gymckpt.store._exact.configure_decoder() was not called");
+        return NULL;
+    }
+    if (!has_fast_prefix(line)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *record = PyObject_CallOneArg(orjson_loads, line);
+    if (record == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear(); /* damage: the Python code names it */
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    Py_ssize_t position = 0;
+    PyObject *key, *episode_id;
+    if (Py_TYPE(record) == &PyDict_Type && PyDict_Next(record, &position, &key, &episode_id) &&
+        Py_TYPE(key) == &PyUnicode_Type && Py_TYPE(episode_id) == &PyUnicode_Type &&
+        PyUnicode_Compare(key, episode_id_key) == 0 && leads_with(line, episode_id)) {
+        PyObject *pair = PyTuple_Pack(2, episode_id, record);
+        Py_DECREF(record);
+        return pair;
+    }
+    PyErr_Clear(); /* PyUnicode_Compare cannot fail on two str; nothing else here sets an error */
+    Py_DECREF(record);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"fast_path_safe", fast_path_safe, METH_O,
      "fast_path_safe(value) -> bool: True when orjson writes value exactly (exact JSON types, finite floats, "
@@ -517,6 +727,15 @@ static PyMethodDef methods[] = {
     {"exact_line", exact_line, METH_O,
      "exact_line(value) -> bytes | None: json.dumps(value, ensure_ascii=True, allow_nan=True, "
      "separators=(',', ': ')) and a newline, byte for byte; None for what it leaves to the Python path."},
+    {"configure_encoder", (PyCFunction)(void (*)(void))configure_encoder, METH_FASTCALL,
+     "configure_encoder(dumps, default, option) -> None: how encode_line calls orjson."},
+    {"encode_line", encode_line, METH_O,
+     "encode_line(record) -> (episode_id, line) | None: codec.encode_record's answer for a record it writes "
+     "without Python code; None where the Python code decides."},
+    {"configure_decoder", configure_decoder, METH_O, "configure_decoder(loads) -> None: the orjson.loads decode_line calls."},
+    {"decode_line", decode_line, METH_O,
+     "decode_line(line) -> (episode_id, record) | None: codec.decode_line_and_id's answer for a fast line; "
+     "None where the Python code decides."},
     {NULL, NULL, 0, NULL},
 };
 

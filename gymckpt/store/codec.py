@@ -43,7 +43,7 @@ from gymckpt.store import _walks
 from gymckpt.store._walks import ACCELERATED
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
 __all__ = [
     "ACCELERATED",
@@ -85,6 +85,18 @@ _EPISODE_ID_TOKEN = re.compile(rb'\{"episode_id": ?"((?:[^"\\]|\\.)*)"', re.DOTA
 
 def _refuse(value: object) -> object:
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+#: encode_record's common case in one C call (the same answer, or None where the Python code decides);
+#: None without the accelerator
+_encode_line: Callable[[object], tuple[str, bytes] | None] | None = None
+#: decode_line_and_id's common case (a fast line) in one C call, likewise
+_decode_fast_line: Callable[[bytes | memoryview], tuple[str, dict[str, Any]] | None] | None = None
+if _walks.ACCELERATOR is not None:
+    _walks.ACCELERATOR.configure_encoder(orjson.dumps, _refuse, _LINE_OPTIONS)
+    _walks.ACCELERATOR.configure_decoder(orjson.loads)
+    _encode_line = _walks.ACCELERATOR.encode_line
+    _decode_fast_line = _walks.ACCELERATOR.decode_line
 
 
 def _exact_path_safe(value: object, *, check_strings: bool) -> int | None:
@@ -270,6 +282,10 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
     :class:`NotJSONError` (naming the episode and the path) for a value JSON cannot hold,
     a value that contains itself included.
     """
+    if _encode_line is not None:
+        encoded = _encode_line(record)
+        if encoded is not None:
+            return encoded
     episode_id = _leading_episode_id(record)
     # orjson first: it stops at 255 levels, so a value that contains itself ends here
     try:
@@ -354,6 +370,10 @@ def decode_line_and_id(line: bytes | memoryview) -> tuple[str, dict[str, Any]]:
     token with the id as orjson writes it (what gymckpt writes); a line that spells it
     another way has its token read as :func:`episode_id_of_line` does.
     """
+    if _decode_fast_line is not None:
+        pair = _decode_fast_line(line)
+        if pair is not None:
+            return pair
     try:
         record = decode_line(line)
     except RecordUndecodable:

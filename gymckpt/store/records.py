@@ -29,6 +29,7 @@ from gymckpt.errors import (
     RecordUndecodable,
     WriteStopped,
 )
+from gymckpt.store import codec
 from gymckpt.store.codec import (
     EncodedRecord,
     check_encoded,
@@ -174,6 +175,7 @@ def write_records(
     """
     writer = _ChunkWriter(sink)
     writer.start()
+    fast_encode = codec._encode_line  # encode_record's common case in one C call, where built
     seen: set[str] = set()
     episode_ids: list[str] = []
     # lines are copied into the chunk at once: orjson's output of a long string keeps a
@@ -186,7 +188,11 @@ def write_records(
         for record in records:
             if stop is not None and stop.stopped:
                 stop.check()
-            episode_id, line = check_encoded(record) if type(record) is EncodedRecord else encode_record(record)
+            encoded = None if fast_encode is None else fast_encode(record)
+            if encoded is None:
+                encoded = check_encoded(record) if type(record) is EncodedRecord else encode_record(record)
+            episode_id, line = encoded
+            del encoded  # the line is let go once copied (below), not when the next record is encoded
             if episode_id in seen:
                 raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
             seen.add(episode_id)
@@ -385,6 +391,7 @@ def read_records(
     )
     # every line of gymckpt's own format decoded: each id is read from its record, no line is read twice
     whole = scope is None and not expected.reference
+    fast_decode = codec._decode_fast_line  # decode_line_and_id's common case in one C call, where built
     episode_ids: list[str] = []
     undecodable: str | None = None
     line_number = 0
@@ -399,7 +406,8 @@ def read_records(
                         continue
                     try:
                         if whole:
-                            episode_id, record = decode_line_and_id(line)
+                            pair = None if fast_decode is None else fast_decode(line)
+                            episode_id, record = decode_line_and_id(line) if pair is None else pair
                             episode_ids.append(episode_id)
                             yield record
                             continue

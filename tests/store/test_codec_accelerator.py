@@ -44,6 +44,10 @@ try:
 except ImportError:  # not built here: the C side of each comparison is skipped
     _exact = None
 
+if _exact is not None:  # configured here too: with GYMCKPT_PURE_PYTHON=1 the codec leaves it alone
+    _exact.configure_encoder(orjson.dumps, codec._refuse, codec._LINE_OPTIONS)
+    _exact.configure_decoder(orjson.loads)
+
 needs_accelerator = pytest.mark.skipif(_exact is None, reason="gymckpt.store._exact is not built (no C compiler)")
 
 
@@ -73,6 +77,8 @@ def walks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
         pytest.skip("gymckpt.store._exact is not built (no C compiler)")
     monkeypatch.setattr(codec, "_fast_walk", chosen.fast)
     monkeypatch.setattr(codec, "_exact_encoder", chosen.exact)
+    monkeypatch.setattr(codec, "_encode_line", None if chosen.exact is None else _exact.encode_line)
+    monkeypatch.setattr(codec, "_decode_fast_line", None if chosen.exact is None else _exact.decode_line)
     yield chosen
 
 
@@ -102,6 +108,8 @@ def test_the_accelerator_is_built_and_used_where_a_c_compiler_exists() -> None:
     assert codec.ACCELERATED
     assert codec._fast_walk is _exact.fast_path_safe
     assert codec._exact_encoder is _exact.exact_line
+    assert codec._encode_line is _exact.encode_line
+    assert codec._decode_fast_line is _exact.decode_line
 
 
 def test_gymckpt_pure_python_keeps_to_python(tmp_path: Any) -> None:
@@ -112,6 +120,7 @@ def test_gymckpt_pure_python_keeps_to_python(tmp_path: Any) -> None:
         "from gymckpt.store import _walks, codec\n"
         "assert not codec.ACCELERATED\n"
         "assert codec._fast_walk is _walks.fast_path_safe and codec._exact_encoder is None\n"
+        "assert codec._encode_line is None and codec._decode_fast_line is None\n"
         "_, line = codec.encode_record({'episode_id': 'x', 'v': float('nan'), 'n': 2**70})\n"
         "print(line.decode(), end='')\n"
     )
@@ -327,6 +336,61 @@ def test_the_c_exact_line_leaves_the_digit_limit_alone() -> None:
     assert sys.get_int_max_str_digits() == limit
 
 
+def _python_encode(record: dict[str, Any]) -> tuple[str, bytes] | str:
+    """encode_record on the Python path with the C walk and exact_line (no encode_line), or the error's name."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "_encode_line", None)
+        patch.setattr(codec, "_fast_walk", _exact.fast_path_safe)
+        patch.setattr(codec, "_exact_encoder", _exact.exact_line)
+        try:
+            return encode_record(record)
+        except (NotJSONError, codec.InvalidRecord) as exc:
+            return type(exc).__name__
+
+
+def _assert_encode_line_agrees(record: Any) -> None:
+    encoded = _exact.encode_line(record)
+    if encoded is not None:
+        assert encoded == _python_encode(record)
+
+
+@needs_accelerator
+@pytest.mark.parametrize("name", sorted(TRICKY))
+def test_encode_line_is_encode_record_in_one_call(name: str) -> None:
+    record = _record(name)
+    _assert_encode_line_agrees(record)
+    if name in EXPECTED_FAST:
+        assert _exact.encode_line(record) == ("t", orjson.dumps(record, option=codec._LINE_OPTIONS))
+
+
+@needs_accelerator
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"v": 1, "episode_id": "late"},
+        {"episode_id": ""},
+        {"episode_id": 5},
+        {},
+        {"episode_id": Tag("t")},
+        ("episode_id", "x"),
+        {"episode_id": "big", "v": 2**70},
+        {"episode_id": "tuple", "v": (1,)},
+    ],
+    ids=["id_not_first", "empty_id", "int_id", "empty", "str_subclass_id", "tuple", "big_int", "tuple_value"],
+)
+def test_encode_line_leaves_the_rest_to_python(record: Any) -> None:
+    """No leading id, or a record orjson refuses: the Python code decides (and raises what it must)."""
+    assert _exact.encode_line(record) is None
+
+
+@needs_accelerator
+def test_encode_line_calls_orjson_as_python_does() -> None:
+    """orjson matches keyword names by identity: a call it refused would leave every record to Python."""
+    record = {"episode_id": "k", "v": [1, 2.5, "é"], "n": None}
+    assert _exact.encode_line(record) == ("k", b'{"episode_id":"k","v":[1,2.5,"\xc3\xa9"],"n":null}\n')
+    assert _exact.encode_line({"episode_id": "k", "v": NAN}) == ("k", b'{"episode_id": "k","v": NaN}\n')
+
+
 # --- generated values: both implementations, compared
 
 #: JSON values and values that are not quite (enums, tuples, subclasses), at any depth
@@ -375,6 +439,7 @@ def test_both_implementations_agree_on_generated_values(value: Any) -> None:
         assert line == _old_exact_line(record)
     else:
         assert line is None
+    _assert_encode_line_agrees(record)
 
 
 def _doubles(seed: int, count: int) -> list[float]:
@@ -598,3 +663,67 @@ def test_fast_lines_start_as_before(walks: Implementation) -> None:
     _, line = encode_record({"episode_id": "f", "v": [1, 2.5, "é"]})
     assert line == b'{"episode_id":"f","v":[1,2.5,"\xc3\xa9"]}\n'
     assert line.startswith(FAST_PREFIX)
+
+
+def _python_decode(line: bytes | memoryview) -> tuple[str, dict[str, Any]] | str:
+    """decode_line_and_id on the Python path, or the reason it refuses the line."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "_decode_fast_line", None)
+        try:
+            return decode_line_and_id(line)
+        except RecordUndecodable as exc:
+            return exc.reason
+
+
+LINES = [
+    b'{"episode_id":"a","v":1}',
+    b'{"episode_id":"a","v":1}\n',
+    '{"episode_id":"é🙂","v":[1,2.5]}'.encode(),
+    b'{"episode_id":"\\u00e9","v":1}',
+    b'{"episode_id":"a\\"b","v":1}',
+    b'{"episode_id":"a\\/b","v":1}',
+    b'{"episode_id":"a","v":1,"episode_id":"b"}',
+    b'{"episode_id":"a","episode_id":5}',
+    b'{"episode_id":"ab","v":1}',
+    b'{"episode_id":"a"',
+    b'{"episode_id":""}',
+    b'{"episode_id":"a"}',
+    b'{"episode_id": "a","v": NaN}',
+    b'{"episode_id":"a","v":NaN}',
+    b'{"episode_id":"\xff","v":1}',
+    b'{"episode_id":"a","v":1}garbage',
+    b"garbage",
+    b"",
+]
+
+
+@needs_accelerator
+@pytest.mark.parametrize("line", LINES)
+def test_decode_line_is_decode_line_and_id_in_one_call(line: bytes) -> None:
+    for spelled in (line, memoryview(line), memoryview(b"xx" + line + b"yy")[2 : 2 + len(line)]):
+        pair = _exact.decode_line(spelled)
+        if pair is not None:
+            assert pair == _python_decode(spelled)
+            assert type(pair[0]) is str
+
+
+def test_decode_line_answers_fast_lines_itself() -> None:
+    if _exact is None:
+        pytest.skip("gymckpt.store._exact is not built (no C compiler)")
+    assert _exact.decode_line(b'{"episode_id":"a","v":[1,2.5]}') == ("a", {"episode_id": "a", "v": [1, 2.5]})
+    assert _exact.decode_line('{"episode_id":"é","v":1}'.encode()) == ("é", {"episode_id": "é", "v": 1})
+    for left in (b'{"episode_id":"a","v":1,"episode_id":"b"}', b'{"episode_id": "a","v": NaN}', b"garbage"):
+        assert _exact.decode_line(left) is None
+
+
+@needs_accelerator
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=12), VALUES)
+def test_decode_line_agrees_on_generated_lines(episode_id: str, value: Any) -> None:
+    try:
+        line = orjson.dumps({"episode_id": episode_id, "v": value}, option=codec._ORJSON_OPTIONS)
+    except TypeError:
+        return
+    pair = _exact.decode_line(line)
+    if pair is not None:
+        assert pair == _python_decode(line)

@@ -25,6 +25,8 @@ def pure_python_walks() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(codec, "_fast_walk", _walks.fast_path_safe)
         patch.setattr(codec, "_exact_encoder", None)
+        patch.setattr(codec, "_encode_line", None)
+        patch.setattr(codec, "_decode_fast_line", None)
         yield
 
 
