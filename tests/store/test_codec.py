@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import decimal
-import enum
 import fractions
 import json
 import math
@@ -41,6 +40,8 @@ from gymckpt.store.codec import (
     is_exact_line,
 )
 from gymckpt.testing.values import assert_identical
+
+from .codec_types import Color, Count, Level, MyDict, MyList, Ratio, Tag
 
 # --- helpers
 
@@ -350,34 +351,6 @@ def test_line_prefixes_name_the_decoder() -> None:
 
 
 # --- values that are not JSON
-
-
-class Color(enum.Enum):
-    RED = "red"
-
-
-class Level(enum.IntEnum):
-    HIGH = 2
-
-
-class Tag(str):
-    pass
-
-
-class Count(int):
-    pass
-
-
-class Ratio(float):
-    pass
-
-
-class MyDict(dict):
-    pass
-
-
-class MyList(list):
-    pass
 
 
 @dataclasses.dataclass

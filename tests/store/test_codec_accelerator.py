@@ -36,6 +36,8 @@ from gymckpt.store import _walks, codec
 from gymckpt.store.codec import EXACT_PREFIX, FAST_PREFIX, decode_line, decode_line_and_id, encode_record
 from gymckpt.testing.values import assert_identical
 
+from .codec_types import Color, Count, Level, MyDict, MyList, Ratio, Tag
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
@@ -133,40 +135,12 @@ def test_gymckpt_pure_python_keeps_to_python(tmp_path: Any) -> None:
 # --- the table
 
 
-class Level(enum.IntEnum):
-    HIGH = 2
-
-
 class Flags(enum.IntFlag):
     A = 1
 
 
 class Weight(float, enum.Enum):
     HEAVY = 2.5
-
-
-class Color(enum.Enum):
-    RED = "red"
-
-
-class Tag(str):
-    pass
-
-
-class Count(int):
-    pass
-
-
-class Ratio(float):
-    pass
-
-
-class MyDict(dict):
-    pass
-
-
-class MyList(list):
-    pass
 
 
 def nested(levels: int, leaf: Any = 1) -> Any:
