@@ -161,10 +161,7 @@ def episode_key(value: object) -> str:
             raise InvalidRolloutId(f"an episode id object holds only rollout_id and attempt, not {unknown}")
         if "rollout_id" not in value:
             raise InvalidRolloutId("an episode id object needs a rollout_id")
-        rollout_id, attempt = value["rollout_id"], value.get("attempt", 0)
-        if type(rollout_id) is str and type(attempt) is int:
-            return _key_of_valid_object(rollout_id, attempt)
-        return EpisodeId(rollout_id, attempt).capture_key
+        return capture_key(value["rollout_id"], value.get("attempt", 0))
     raise InvalidRolloutId(
         f"an episode id is a capture key or a {{rollout_id, attempt}} object, not {type(value).__name__}"
     )
