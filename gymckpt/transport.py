@@ -11,7 +11,9 @@ the harness, the coordinator, the collector) comes from :func:`client_session`:
   the calls coming in (:func:`downstream_pool_limit` per host: :data:`DOWNSTREAM_POOL_LIMIT`,
   at most an eighth of its descriptors), so an environment server can hold a trainer's
   16,000 ``/run`` calls while it calls the agent and the resources server on 1,024
-  connections each. ``GYMCKPT_POOL_LIMIT`` sets both (0: no limit).
+  connections each. Those 1,024 are the server's: each of its N workers takes 1,024 / N,
+  so running more workers does not multiply the load on the servers downstream.
+  ``GYMCKPT_POOL_LIMIT`` sets both, per process (0: no limit).
 - **Idle connections dropped before the server drops them.** A pooled connection idle for
   :func:`client_idle_seconds` is closed, well before the server's keep-alive
   (:func:`server_keep_alive`: ``GYMCKPT_KEEP_ALIVE``, else :data:`SERVER_KEEP_ALIVE_SECONDS`)
@@ -167,19 +169,23 @@ def pool_limit(descriptors: int | None = None) -> int:
     return max(MIN_POOL_LIMIT, min(MAX_POOL_LIMIT, descriptors - DESCRIPTOR_RESERVE))
 
 
-def downstream_pool_limit(descriptors: int | None = None) -> int:
-    """A server's downstream pool bound, per host and in all (0: no limit).
+def downstream_pool_limit(descriptors: int | None = None, workers: int = 1) -> int:
+    """One server process's downstream pool bound, per host and in all (0: no limit).
 
-    ``GYMCKPT_POOL_LIMIT`` when set; else :data:`DOWNSTREAM_POOL_LIMIT`, at most an eighth
-    of ``descriptors`` (default: this process's soft limit), at least :data:`MIN_POOL_LIMIT`.
+    ``GYMCKPT_POOL_LIMIT`` when set (per process); else :data:`DOWNSTREAM_POOL_LIMIT`, which
+    is the whole server's: a server of several ``workers`` gives each its share (rounded up),
+    so a downstream server gets as many calls at once from it whatever its worker count.
+    At most an eighth of ``descriptors`` (default: this process's soft limit), at least
+    :data:`MIN_POOL_LIMIT`.
     """
     configured = _pool_limit_from_environment()
     if configured is not None:
         return configured
+    share = -(-DOWNSTREAM_POOL_LIMIT // max(workers, 1))
     descriptors = _descriptors(descriptors)
     if descriptors < 0:
-        return DOWNSTREAM_POOL_LIMIT
-    return max(MIN_POOL_LIMIT, min(DOWNSTREAM_POOL_LIMIT, descriptors // 8))
+        return max(MIN_POOL_LIMIT, share)
+    return max(MIN_POOL_LIMIT, min(share, descriptors // 8))
 
 
 #: the awaited lane's bound per host: the calls a checkpoint waits for (a wait step's), which are short

@@ -41,6 +41,7 @@ __all__ = [
     "build_app",
     "load_server_config",
     "relayed_cookies",
+    "server_workers",
 ]
 
 C = TypeVar("C", bound="ServerConfig")
@@ -54,7 +55,8 @@ class ServerConfig(BaseModel):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     #: the data pool's bound towards downstream servers in all (None or 0: none beyond the bound per host)
     data_connector_limit: int | None = Field(default=None, ge=0)
-    #: and per host (None: :func:`~gymckpt.transport.downstream_pool_limit`; 0: no limit)
+    #: and per host, per process (None: :func:`~gymckpt.transport.downstream_pool_limit`, the server's
+    #: bound shared among its workers; 0: no limit)
     data_connector_limit_per_host: int | None = Field(default=None, ge=0)
 
 
@@ -121,7 +123,7 @@ class Downstream:
             # by default bounded per host only: a slow host's calls never queue another host's behind them
             limit, per_host = self._limits
             limit = 0 if limit is None else limit
-            per_host = transport.downstream_pool_limit() if per_host is None else per_host
+            per_host = transport.downstream_pool_limit(workers=server_workers()) if per_host is None else per_host
             if awaited:
                 limit, per_host = 0, transport.awaited_pool_limit(per_host)
             session = self._sessions[awaited] = transport.client_session(
@@ -274,12 +276,20 @@ def add_health_route(app: FastAPI) -> None:
         return {"status": "ok"}
 
 
+def server_workers() -> int:
+    """How many workers the server of this process runs: N in a worker ``gymckpt serve KIND --workers N``
+    started, else 1."""
+    if not os.environ.get(ENV_RUNTIME):
+        return 1
+    try:
+        return max(int(os.environ.get(ENV_WORKERS, "1")), 1)
+    except ValueError:
+        return 1
+
+
 def _is_one_of_several_workers() -> bool:
     """True in a worker process ``gymckpt serve KIND --workers N`` started (N above 1)."""
-    try:
-        return bool(os.environ.get(ENV_RUNTIME)) and int(os.environ.get(ENV_WORKERS, "1")) > 1
-    except ValueError:
-        return False
+    return server_workers() > 1
 
 
 def build_app(

@@ -46,7 +46,7 @@ from gymckpt.control.responses import error_response
 from gymckpt.errors import DownstreamError, GenerationCutMismatch, InferenceFailed, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
-from gymckpt.servers.base import Downstream, ServerConfig, build_app
+from gymckpt.servers.base import Downstream, ServerConfig, build_app, server_workers
 from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest, prefix_digest
 
 if TYPE_CHECKING:
@@ -511,7 +511,7 @@ class GenerationCutClient:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            bound = transport.downstream_pool_limit()
+            bound = transport.downstream_pool_limit(workers=server_workers())
             self._session = transport.client_session(
                 limit=bound, limit_per_host=bound, timeout=aiohttp.ClientTimeout(total=None)
             )

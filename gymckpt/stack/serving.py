@@ -204,7 +204,7 @@ def check_descriptor_budget(
     soft, hard = transport.raise_descriptor_limit() if limits is None else limits
     total = config.data_connector_limit or 0
     per_host = config.data_connector_limit_per_host
-    per_host = transport.downstream_pool_limit(soft) if per_host is None else per_host
+    per_host = transport.downstream_pool_limit(soft, workers) if per_host is None else per_host
     hosts = max(len(downstream_hosts(config)), 1)
     bounds = [bound for bound in (total, per_host * hosts if per_host else 0) if bound]
     # the data pool at its bound, and the awaited lane beside it (the calls a checkpoint waits for)

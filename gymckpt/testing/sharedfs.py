@@ -23,6 +23,7 @@ Needs root. Traffic stays inside the namespace; only :func:`s3fs_mount` talks to
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -437,15 +438,29 @@ class MooseFS:
     def wait_writable(self, name: str, timeout: float = START_TIMEOUT) -> None:
         """Wait until a file written and fsynced through mount ``name`` reads back (bounded)."""
         probe = self.mounts[name].path / f".sharedfs-probe-{secrets.token_hex(4)}"
+        deadline = time.monotonic() + timeout
 
-        def write_and_read() -> None:
-            with open(probe, "wb") as stream:
-                stream.write(b"probe")
-                stream.flush()
-                os.fsync(stream.fileno())
+        def write_once() -> bool:
+            """True once the probe is written and read back; False while the master has no space yet."""
+            try:
+                with open(probe, "wb") as stream:
+                    stream.write(b"probe")
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            except OSError as exc:
+                # a chunkserver that just connected reports its disks a moment later: until then the
+                # master has no space for a chunk, and the write fails with ENOSPC
+                if exc.errno != errno.ENOSPC or time.monotonic() >= deadline:
+                    raise
+                probe.unlink(missing_ok=True)
+                return False
             if probe.read_bytes() != b"probe":
                 raise SharedFsError(f"{probe} read back other bytes")
             probe.unlink()
+            return True
+
+        def write_and_read() -> None:
+            poll(write_once, timeout, f"the master took a chunk through {self.mounts[name].path}", interval=0.05)
 
         bounded(write_and_read, timeout, f"a write through {self.mounts[name].path}")
 

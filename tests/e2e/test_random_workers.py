@@ -365,7 +365,7 @@ def read_states(directory: str) -> dict[str, Any]:
     ("seed", "operations"),
     [
         pytest.param(1, 200, id="seed-1-200-ops"),
-        pytest.param(7, 400, id="seed-7-400-ops", marks=pytest.mark.slow),
+        pytest.param(7, 300, id="seed-7-300-ops", marks=pytest.mark.slow),
     ],
 )
 def test_a_random_sequence_over_changing_worker_counts_matches_the_model(

@@ -247,7 +247,7 @@ def restores(draw: st.DrawFn) -> tuple[str, list[dict[str, Any]]]:
 def test_fuzz_crafted_records_never_make_the_restore_route_answer_5xx(tmp_path: Path) -> None:
     serial = itertools.count()
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=restores())
     def check(case: tuple[str, list[dict[str, Any]]]) -> None:
         kind, records = case

@@ -29,9 +29,10 @@ from gymckpt import transport
 from gymckpt.control.coordination import Coordinator
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.errors import DownstreamError
-from gymckpt.servers.base import Downstream
+from gymckpt.servers.base import Downstream, server_workers
 from gymckpt.servers.environment import EnvironmentConfig
 from gymckpt.stack.serving import check_descriptor_budget
+from gymckpt.workers.process import ENV_RUNTIME, ENV_WORKERS
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -358,6 +359,40 @@ def test_pools_default_to_the_descriptors_and_an_idle_timeout_below_the_keep_ali
     assert transport.client_idle_seconds() < transport.server_keep_alive() / 2
 
 
+def test_a_server_of_several_workers_shares_its_downstream_bound_among_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the 1,024 per host are the server's: each worker takes its share, rounded up, never under the minimum
+    assert transport.downstream_pool_limit(20_000, workers=2) == 512
+    assert transport.downstream_pool_limit(20_000, workers=3) == 342
+    assert transport.downstream_pool_limit(20_000, workers=64) == transport.MIN_POOL_LIMIT
+    assert transport.downstream_pool_limit(2048, workers=2) == 256  # the eighth of the descriptors is smaller
+    assert transport.downstream_pool_limit(-1, workers=4) == 256  # no descriptor limit
+    monkeypatch.setenv(transport.POOL_LIMIT_ENV, "12")
+    assert transport.downstream_pool_limit(20_000, workers=2) == 12  # the variable is per process
+    monkeypatch.delenv(transport.POOL_LIMIT_ENV)
+
+    async def bounds(downstream: Downstream) -> tuple[int, int]:
+        data, awaited = downstream._client(), downstream._client(awaited=True)
+        try:
+            return data.connector.limit_per_host, awaited.connector.limit_per_host  # type: ignore[union-attr]
+        finally:
+            await downstream.close()
+
+    expected = transport.downstream_pool_limit()
+    assert asyncio.run(bounds(Downstream(checkpointing=False))) == (expected, transport.AWAITED_POOL_LIMIT)
+    # a worker of `gymckpt serve KIND --workers 4` (what its supervisor sets for it)
+    monkeypatch.setenv(ENV_RUNTIME, "/nonexistent")
+    monkeypatch.setenv(ENV_WORKERS, "4")
+    assert server_workers() == 4
+    share = transport.downstream_pool_limit(workers=4)
+    assert share < expected or expected == transport.MIN_POOL_LIMIT
+    assert asyncio.run(bounds(Downstream(checkpointing=False))) == (share, min(transport.AWAITED_POOL_LIMIT, share))
+    monkeypatch.setenv(ENV_WORKERS, "four")
+    assert server_workers() == 1
+    monkeypatch.delenv(ENV_RUNTIME)
+    monkeypatch.setenv(ENV_WORKERS, "4")
+    assert server_workers() == 1  # not a worker gymckpt serve started
+
+
 def test_the_variables_set_the_pool_and_the_keep_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(transport.POOL_LIMIT_ENV, "12")
     monkeypatch.setenv(transport.KEEP_ALIVE_ENV, "3")
@@ -388,6 +423,9 @@ def test_the_startup_check_logs_the_limit_and_the_budget(caplog: pytest.LogCaptu
     assert len(lines) == 1 and lines[0][0] == logging.INFO
     assert "descriptor limit 2048 (hard 4096)" in lines[0][1]
     assert "768 outbound (2 server(s) downstream) + 256 reserved leave 1024 for calls coming in" in lines[0][1]
+    # each of two workers has its descriptors to itself and half the server's 1,024 per host
+    two = check_descriptor_budget("environment", _environment(), workers=2, limits=(20_000, 20_000))
+    assert two.outbound == 2 * 512 + 2 * transport.AWAITED_POOL_LIMIT
 
 
 def test_the_startup_check_warns_naming_the_option_when_the_pool_takes_more_than_it_leaves(

@@ -53,7 +53,7 @@ PLAIN = st.dictionaries(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(DOCUMENTS, PLAIN))
 def test_encode_document_writes_what_json_dumps_writes(document: dict[str, Any]) -> None:
     assert encode_document(document) == reference(document)
