@@ -25,7 +25,6 @@ writes the object.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,18 +69,36 @@ _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 #: how many valid ids each validator remembers: a checkpoint of 16,000 rollouts checks every key
 #: several times (the request, the scope, the marks, the records), and each check is a pure function
 _VALID_IDS_CACHED = 1 << 16
+#: the fields of the reference's episode id object
+_EPISODE_FIELDS = frozenset({"rollout_id", "attempt"})
+
+
+#: valid rollout ids seen; and valid capture key → (rollout id, attempt): each dropped whole when full
+_VALID_ROLLOUT_IDS: set[str] = set()
+_VALID_KEYS: dict[str, tuple[str, int]] = {}
+
+
+def _remember_key(key: str, parts: tuple[str, int]) -> None:
+    if len(_VALID_KEYS) >= _VALID_IDS_CACHED:
+        _VALID_KEYS.clear()
+    _VALID_KEYS[key] = parts
 
 
 def validate_rollout_id(rollout_id: object) -> str:
     """Return ``rollout_id`` if it is a valid rollout id (see the module notes), else raise."""
+    if type(rollout_id) is str and rollout_id in _VALID_ROLLOUT_IDS:
+        return rollout_id
     if not isinstance(rollout_id, str):
         raise InvalidRolloutId(f"a rollout id must be a string, not {type(rollout_id).__name__}")
-    return _valid_rollout_id(rollout_id)
+    _valid_rollout_id(rollout_id)
+    if len(_VALID_ROLLOUT_IDS) >= _VALID_IDS_CACHED:
+        _VALID_ROLLOUT_IDS.clear()
+    _VALID_ROLLOUT_IDS.add(rollout_id)
+    return rollout_id
 
 
-@functools.lru_cache(maxsize=_VALID_IDS_CACHED)
 def _valid_rollout_id(rollout_id: str) -> str:
-    """:func:`validate_rollout_id` of a string; only valid ids are remembered (a refusal raises)."""
+    """:func:`validate_rollout_id` of a string, checked in full (a refusal raises)."""
     if not rollout_id:
         raise InvalidRolloutId("a rollout id must not be empty")
     if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
@@ -113,14 +130,19 @@ def split_capture_key(key: str) -> tuple[str, int]:
     rollouts so named. The rollout id is validated too (:func:`validate_rollout_id`); an
     attempt beyond :data:`MAX_ATTEMPT` is :class:`InvalidRolloutId`.
     """
+    if type(key) is str:
+        known = _VALID_KEYS.get(key)
+        if known is not None:
+            return known
     if not isinstance(key, str):
         raise InvalidRolloutId(f"a capture key must be a string, not {type(key).__name__}")
-    return _split_valid_capture_key(key)
+    parts = _split_valid_capture_key(key)
+    _remember_key(key, parts)
+    return parts
 
 
-@functools.lru_cache(maxsize=_VALID_IDS_CACHED)
 def _split_valid_capture_key(key: str) -> tuple[str, int]:
-    """:func:`split_capture_key` of a string; only valid keys are remembered (a refusal raises)."""
+    """:func:`split_capture_key` of a string, checked in full (a refusal raises)."""
     if not key:
         raise InvalidRolloutId("a capture key must not be empty")
     match = _SUFFIX.search(key)
@@ -135,7 +157,12 @@ def _split_valid_capture_key(key: str) -> tuple[str, int]:
 def capture_key(rollout_id: str, attempt: int) -> str:
     """The capture key of an attempt: ``r`` for attempt 0, ``r-aN`` after."""
     if type(rollout_id) is str and type(attempt) is int:
-        return _key_of_valid_object(rollout_id, attempt)
+        key = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+        # a valid pair's key splits back into it, and a key remembered is valid
+        if _VALID_KEYS.get(key) != (rollout_id, attempt):
+            validate_rollout_id(rollout_id)
+            _remember_key(key, (rollout_id, _validate_attempt(attempt)))
+        return key
     return EpisodeId(rollout_id, attempt).capture_key
 
 
@@ -156,8 +183,8 @@ def episode_key(value: object) -> str:
     if isinstance(value, EpisodeId):
         return value.capture_key
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"rollout_id", "attempt"})
-        if unknown:
+        if not value.keys() <= _EPISODE_FIELDS:
+            unknown = sorted(set(value) - _EPISODE_FIELDS)
             raise InvalidRolloutId(f"an episode id object holds only rollout_id and attempt, not {unknown}")
         if "rollout_id" not in value:
             raise InvalidRolloutId("an episode id object needs a rollout_id")
@@ -165,12 +192,6 @@ def episode_key(value: object) -> str:
     raise InvalidRolloutId(
         f"an episode id is a capture key or a {{rollout_id, attempt}} object, not {type(value).__name__}"
     )
-
-
-@functools.lru_cache(maxsize=_VALID_IDS_CACHED)
-def _key_of_valid_object(rollout_id: str, attempt: int) -> str:
-    """The capture key of ``{"rollout_id", "attempt"}`` (validated); only valid ones are remembered."""
-    return EpisodeId(rollout_id, attempt).capture_key
 
 
 def episode_object(key: str) -> dict[str, Any]:

@@ -622,7 +622,7 @@ def test_fuzz_requests_from_the_openapi_schema_never_get_a_5xx(fake, plane):
     seen: dict[str, int] = {}
 
     @settings(
-        max_examples=700,
+        max_examples=1200,
         deadline=None,
         database=None,
         derandomize=True,

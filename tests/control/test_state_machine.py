@@ -1376,7 +1376,7 @@ def test_checkpoint_state_machine() -> None:
     run_state_machine_as_test(
         CheckpointMachine,
         settings=settings(
-            max_examples=120,
+            max_examples=200,
             stateful_step_count=75,
             deadline=None,
             report_multiple_bugs=False,

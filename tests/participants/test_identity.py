@@ -338,3 +338,22 @@ def test_remembered_validations_still_refuse_every_bad_id_every_time_and_typed()
         episode_key({"rollout_id": "r", "attempt": True})
     assert [split_capture_key("r-a2"), split_capture_key("r-a2")] == [("r", 2), ("r", 2)]
     assert episode_key({"rollout_id": "r", "attempt": 2}) == capture_key("r", 2) == "r-a2"
+
+
+def test_the_remembered_ids_stay_within_their_bound_and_a_key_built_splits_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gymckpt import identity
+
+    monkeypatch.setattr(identity, "_VALID_IDS_CACHED", 4)
+    for index in range(10):
+        key = identity.capture_key(f"bound-{index}", index)
+        assert identity.split_capture_key(key) == (f"bound-{index}", index)
+        assert identity.validate_rollout_id(f"bound-{index}") == f"bound-{index}"
+        assert len(identity._VALID_KEYS) <= 4 and len(identity._VALID_ROLLOUT_IDS) <= 4
+    # a remembered key never stands for another pair: the reserved suffix stays refused as a rollout id
+    assert identity.capture_key("x", 3) == "x-a3"
+    with pytest.raises(InvalidRolloutId):
+        identity.capture_key("x-a3", 0)
+    with pytest.raises(InvalidRolloutId):
+        identity.capture_key("x", identity.MAX_ATTEMPT + 1)
