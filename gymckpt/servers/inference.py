@@ -252,21 +252,24 @@ class ClientWatch:
     :meth:`watching` reads the request's ASGI ``receive`` channel in a task of its own: once
     the body is read, the server's next message is ``http.disconnect``, sent when the
     connection closes (or the reply is complete). A generation then looks at :attr:`gone`
-    (an event) per token and waits on it while frozen, instead of asking the connection
+    per token and waits on :attr:`departed` while frozen, instead of asking the connection
     every few milliseconds: a cut freezes thousands of generations at once.
     """
 
     def __init__(self) -> None:
-        self.gone = asyncio.Event()
+        #: set once the client went away
+        self.departed = asyncio.Event()
 
-    def __bool__(self) -> bool:
-        return self.gone.is_set()
+    @property
+    def gone(self) -> bool:
+        """True once the client went away."""
+        return self.departed.is_set()
 
     async def _watch(self, receive: Callable[[], Any]) -> None:
         while True:
             message = await receive()
             if message.get("type") == "http.disconnect":
-                self.gone.set()
+                self.departed.set()
                 return
 
     @contextlib.asynccontextmanager
@@ -454,12 +457,12 @@ class InferenceBackend:
                 await self._decoding.wait()
                 if live.frozen_by is not None:
                     continue  # cut during this token's delay: the token is not produced
-                if client:
+                if client.gone:
                     self.abandoned += 1
                     return None
                 live.tokens.append(rng.randrange(VOCAB_SIZE))
                 self._changed()
-            if client:
+            if client.gone:
                 self.abandoned += 1
                 return None
             return self._complete(request, live.tokens, continued_from=len(prefix))
@@ -478,15 +481,15 @@ class InferenceBackend:
         """Wait until the cut's release (True) or the client went away (False); at most FREEZE_SECONDS."""
         loop = asyncio.get_running_loop()
         until = loop.time() + FREEZE_SECONDS
-        gone = asyncio.ensure_future(client.gone.wait())
+        departed = asyncio.ensure_future(client.departed.wait())
         try:
-            while live.frozen_by is not None and not client and (left := until - loop.time()) > 0:
+            while live.frozen_by is not None and not client.gone and (left := until - loop.time()) > 0:
                 released = asyncio.ensure_future(live.released.wait())
-                await asyncio.wait((released, gone), timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((released, departed), timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 released.cancel()
         finally:
-            gone.cancel()
-        if client:
+            departed.cancel()
+        if client.gone:
             return False
         live.frozen_by = None
         return True
