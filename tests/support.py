@@ -18,6 +18,7 @@ on the session's moto server)::
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -49,6 +50,7 @@ __all__ = [
     "kill_group",
     "signal_group",
     "start_uvicorn",
+    "uvicorn_port",
     "storage_on",
 ]
 
@@ -84,6 +86,20 @@ def kill_group(process: subprocess.Popen[Any], timeout: float) -> None:
     if process.poll() is None:
         signal_group(process.pid, signal.SIGKILL)
     process.wait(timeout=timeout)
+
+
+#: uvicorn's line once it listens; it names the port it bound, also for ``--port 0``
+_LISTENING = re.compile(r"Uvicorn running on https?://[^\s:]+:(\d+)")
+
+
+def uvicorn_port(output: str) -> int | None:
+    """The port uvicorn said it listens on in ``output``; None before it said so.
+
+    Servers a test starts bind port 0 and report it here: a port picked beforehand and
+    released may be bound by another test's server in between, which would then answer.
+    """
+    found = _LISTENING.search(output)
+    return int(found.group(1)) if found else None
 
 
 def start_uvicorn(args: list[str], *, env: dict[str, str], stdout: Any, stderr: Any) -> subprocess.Popen[bytes]:

@@ -2,6 +2,7 @@
 
 - :func:`free_port`, :func:`free_ports`: ports the kernel just handed out, for a server the
   test starts itself (a subprocess, a stack spec).
+- :func:`refused_url`: an address nobody answers on (a bound socket that never listens).
 - :func:`serve`: an app under uvicorn in a thread of its own (the test may block).
 - :func:`serve_in_loop`: an app under uvicorn in the test's own event loop.
 
@@ -22,7 +23,7 @@ import uvicorn
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
 
-__all__ = ["free_port", "free_ports", "serve", "serve_in_loop"]
+__all__ = ["free_port", "free_ports", "refused_url", "serve", "serve_in_loop"]
 
 HOST = "127.0.0.1"
 #: how long a server gets to stop, in seconds
@@ -42,6 +43,21 @@ def free_ports(count: int, host: str = HOST) -> list[int]:
 def free_port(host: str = HOST) -> int:
     """A port the kernel just handed out (released again: a server the test starts binds it)."""
     return free_ports(1, host)[0]
+
+
+@contextmanager
+def refused_url(host: str = HOST) -> Iterator[str]:
+    """A URL whose connections are refused while the block runs.
+
+    The port stays bound (never listening) so no other server can take it meanwhile, as
+    one could a port that was free a moment ago.
+    """
+    sock = socket.socket()
+    try:
+        sock.bind((host, 0))
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
 
 
 def _listening(host: str) -> tuple[socket.socket, str]:

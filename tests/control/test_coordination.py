@@ -49,10 +49,10 @@ from gymckpt.control.settings import CheckpointSettings, load_settings
 from gymckpt.errors import CoordinationError, ServerCallFailed
 from gymckpt.identity import EpisodeId
 from gymckpt.store import open_store, verify
-from gymckpt.testing.net import free_port, serve
+from gymckpt.testing.net import refused_url, serve
 from gymckpt.testing.time import run_bounded
 
-from ..support import kill_group, start_uvicorn
+from ..support import kill_group, start_uvicorn, uvicorn_port
 from .coord_server import ReferenceState, build_non_participant_app, build_reference_app
 
 if TYPE_CHECKING:
@@ -79,22 +79,30 @@ ALL_KEYS = ["r1", "r2", "r3", "r4"]
 class Server:
     kind: str
     instance: str
-    url: str
     process: subprocess.Popen[bytes]
     stderr: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
+    #: the port the server bound itself (port 0) and reported; known once ready
+    port: int | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, f"the {self.kind} server has not said where it listens yet"
+        return f"http://127.0.0.1:{self.port}"
 
     def kill(self) -> None:
         kill_group(self.process, timeout=10)
 
 
 def _drain(server: Server) -> None:
-    """Read the server's stderr to the end (so it never blocks on a full pipe)."""
+    """Read the server's stderr to the end (so it never blocks on a full pipe); note its port."""
     assert server.process.stderr is not None
     for raw in server.process.stderr:
         line = raw.decode(errors="replace")
         server.stderr.append(line)
-        if "Uvicorn running on" in line:
+        port = uvicorn_port(line)
+        if port is not None and server.port is None:
+            server.port = port
             server.ready.set()
     server.ready.set()  # EOF: the process ended; start() reports it
 
@@ -116,7 +124,6 @@ class Fleet:
         behaviours: list[str] = (),  # type: ignore[assignment]
         export_delay: float = 0.0,
     ) -> Server:
-        port = free_port()
         env = dict(os.environ)
         env.update(
             COORD_KIND=kind,
@@ -129,12 +136,12 @@ class Fleet:
             COORD_EXPORT_DELAY=str(export_delay),
         )
         process = start_uvicorn(
-            ["tests.control.coord_server:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+            ["tests.control.coord_server:app", "--host", "127.0.0.1", "--port", "0", "--no-access-log"],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        server = Server(kind, instance, f"http://127.0.0.1:{port}", process)
+        server = Server(kind, instance, process)
         self.servers.append(server)
         threading.Thread(target=_drain, args=(server,), daemon=True).start()
         return server
@@ -144,7 +151,7 @@ class Fleet:
         for server in self.servers:
             if not server.ready.wait(max(deadline - time.monotonic(), 0.0)):
                 raise AssertionError(f"{server.kind} server not up in {READY_TIMEOUT} s:\n{''.join(server.stderr)}")
-            if server.process.poll() is not None:
+            if server.process.poll() is not None or server.port is None:
                 raise AssertionError(f"{server.kind} server exited:\n{''.join(server.stderr)}")
 
     def start_standard(
@@ -286,7 +293,8 @@ def test_discover_reports_unreachable_servers_within_the_probe_timeout(shared: F
     hanging = fleet.start("agent", "hanging-0", behaviours=["hang_status"])
     strange = fleet.start("sandbox", "sandbox-0")
     fleet.wait_ready()
-    down = f"http://127.0.0.1:{free_port()}"
+    refusing = contextlib.ExitStack()
+    down = refusing.enter_context(refused_url())
     silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
     good = urls(shared.servers)
     servers = [*good, down, silent_url, hanging.url, strange.url]
@@ -313,6 +321,7 @@ def test_discover_reports_unreachable_servers_within_the_probe_timeout(shared: F
         for connection in held:
             connection.close()
         silent.close()
+        refusing.close()
     assert [info.url for info in result.participants] == good
     assert set(result.problems) == {down, silent_url, hanging.url, strange.url}
     assert not result.ok
@@ -1018,13 +1027,14 @@ def test_control_calls_need_the_token_and_report_typed_errors(shared: Fleet) -> 
             with pytest.raises(CoordinationError) as raised:
                 await coordinator.prepare("typed-1", deadline())
             assert _causes(raised.value) == {environment: errors.StaleCheckpoint}
-        async with Coordinator([*everyone, f"http://127.0.0.1:{free_port()}"], token=TOKEN) as partial:
-            await partial.discover()
-            with pytest.raises(ServerCallFailed):
-                await partial._call(partial.servers[-1], "status", None, timeout=2.0)
-            # a server that failed discover is not silently left out
-            with pytest.raises(errors.InvalidPhase, match="not discovered"):
-                await partial.prepare("typed-3", deadline())
+        with refused_url() as down:
+            async with Coordinator([*everyone, down], token=TOKEN) as partial:
+                await partial.discover()
+                with pytest.raises(ServerCallFailed):
+                    await partial._call(partial.servers[-1], "status", None, timeout=2.0)
+                # a server that failed discover is not silently left out
+                with pytest.raises(errors.InvalidPhase, match="not discovered"):
+                    await partial.prepare("typed-3", deadline())
 
     run(scenario())
 
