@@ -19,9 +19,15 @@
  *     codec.encode_record's answer in one call (orjson.dumps, the fast walk, exact_line), for a
  *     record led by its episode_id; None where the Python code decides (and raises, if it must).
  *     configure_encoder(dumps, default, option) sets how it calls orjson.
+ * append_lines(records, batch, filled, target, seen, ids) -> (filled, ended, record)
+ *     write_records' loop for the records encode_line writes: lines appended to a bytearray, ids
+ *     to a set and a list, until a target size, the iterator's end, or a record left to Python.
  * decode_line(line) -> (episode_id, record) | None
  *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes;
  *     None where the Python code decides. configure_decoder(loads) sets the orjson.loads it calls.
+ * decode_lines(chunk, start, limit, ids) -> (records, position)
+ *     read_records' loop over the fast lines of a chunk: records decoded, ids appended, until a
+ *     byte limit, a line left to Python, or the last newline; position is where it stopped.
  *
  * The walk and exact_line run no Python code and allocate no container: borrowed references
  * stay valid.
@@ -559,33 +565,25 @@ configure_encoder(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* (episode_id, line) of a record, as codec.encode_record returns them, or None where the Python
- * code decides: anything but an exact dict led by a non-empty exact str episode_id, a record
- * orjson refuses, or one exact_line leaves. orjson's line when the fast walk passes it, else
- * exact_line's. */
-static PyObject *
-encode_line(PyObject *module, PyObject *record)
+/* Encode a record as codec.encode_record does: 1 with new references in *episode_id and *line,
+ * 0 where the Python code decides (anything but an exact dict led by a non-empty exact str
+ * episode_id, a record orjson refuses, or one exact_line leaves), -1 with an error set.
+ * orjson's line when the fast walk passes it, else exact_line's. */
+static int
+encode_pair(PyObject *record, PyObject **episode_id_out, PyObject **line_out)
 {
-    (void)module;
-    if (orjson_dumps == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "gymckpt.store._exact.configure_encoder() was not called");
-        return NULL;
-    }
     if (Py_TYPE(record) != &PyDict_Type) {
-        Py_RETURN_NONE;
+        return 0;
     }
     Py_ssize_t position = 0;
     PyObject *key, *episode_id;
     if (!PyDict_Next(record, &position, &key, &episode_id) || Py_TYPE(key) != &PyUnicode_Type ||
         Py_TYPE(episode_id) != &PyUnicode_Type || PyUnicode_GET_LENGTH(episode_id) == 0) {
-        Py_RETURN_NONE;
+        return 0;
     }
     int named = PyUnicode_Compare(key, episode_id_key);
     if (named != 0) {
-        if (named == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-        Py_RETURN_NONE;
+        return (named == -1 && PyErr_Occurred()) ? -1 : 0;
     }
     Py_INCREF(episode_id); /* orjson.dumps runs _refuse, Python code: keep the id alive */
     PyObject *args[] = {record, dumps_default, dumps_option};
@@ -593,29 +591,161 @@ encode_line(PyObject *module, PyObject *record)
     if (line == NULL) {
         Py_DECREF(episode_id);
         if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
-            return NULL;
+            return -1;
         }
         /* a big int, a lone surrogate, deep nesting, a cycle, not JSON: the Python code decides (and
          * a call orjson refused for any other reason can never turn a fast line into an exact one) */
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return 0;
     }
-    if (fast_item(record, 0)) {
-        PyObject *pair = PyTuple_Pack(2, episode_id, line);
+    if (!fast_item(record, 0)) {
         Py_DECREF(line);
-        Py_DECREF(episode_id);
-        return pair;
+        line = exact_line(NULL, record); /* NaN, an infinity, or a type orjson converts */
+        if (line == NULL || line == Py_None) {
+            Py_DECREF(episode_id);
+            if (line == NULL) {
+                return -1;
+            }
+            Py_DECREF(line);
+            return 0;
+        }
     }
-    Py_DECREF(line);
-    line = exact_line(NULL, record); /* NaN, an infinity, or a type orjson converts */
-    if (line == NULL || line == Py_None) {
-        Py_DECREF(episode_id);
-        return line;
+    *episode_id_out = episode_id;
+    *line_out = line;
+    return 1;
+}
+
+/* 1 when function (orjson_dumps, orjson_loads) was configured; else 0 with an error naming configure */
+static int
+configured(PyObject *function, const char *configure)
+{
+    if (function == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "gymckpt.store._exact.%s() was not called", configure);
+        return 0;
     }
-    PyObject *pair = PyTuple_Pack(2, episode_id, line);
-    Py_DECREF(line);
-    Py_DECREF(episode_id);
+    return 1;
+}
+
+/* what encode_line and decode_line return for an outcome of encode_pair or decode_pair: the pair
+ * (the two references are stolen), None (0) or NULL (-1, the error set) */
+static PyObject *
+pair_or_none(int outcome, PyObject *first, PyObject *second)
+{
+    if (outcome <= 0) {
+        return outcome == 0 ? Py_NewRef(Py_None) : NULL;
+    }
+    PyObject *pair = PyTuple_Pack(2, first, second);
+    Py_DECREF(first);
+    Py_DECREF(second);
     return pair;
+}
+
+/* (episode_id, line) of a record, as codec.encode_record returns them, or None where the Python
+ * code decides (see encode_pair). */
+static PyObject *
+encode_line(PyObject *module, PyObject *record)
+{
+    (void)module;
+    if (!configured(orjson_dumps, "configure_encoder")) {
+        return NULL;
+    }
+    PyObject *episode_id = NULL, *line = NULL;
+    int encoded = encode_pair(record, &episode_id, &line); /* before the call reads the two */
+    return pair_or_none(encoded, episode_id, line);
+}
+
+/* the lines append_lines writes between two moments it lets other threads take the interpreter
+ * (the records writer hashing and writing the chunks handed over before): C code that never
+ * returns to the interpreter otherwise keeps it for a whole chunk */
+#define YIELD_BYTES (256 << 10)
+
+/* append_lines(records, batch, filled, target, seen, ids) -> (filled, ended, record)
+ *
+ * write_records' loop for the records encode_line writes: takes records from the iterator,
+ * appends each line to the bytearray batch at offset filled (growing it only when the line does
+ * not fit), its id to the set seen and the list ids, until filled reaches target or the iterator
+ * ends (ended: True). Otherwise, with filled still below target, record is one it left to the
+ * Python code (encode_line's None, or an id already in seen; any object, None too) with nothing
+ * of it appended. A line is let go as soon as it is copied. */
+static PyObject *
+append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6 || !PyIter_Check(args[0]) || !PyByteArray_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
+        !PyLong_CheckExact(args[3]) || !PyAnySet_CheckExact(args[4]) || !PyList_CheckExact(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "append_lines(records: iterator, batch: bytearray, filled: int, target: int, seen: set, ids: list)");
+        return NULL;
+    }
+    if (!configured(orjson_dumps, "configure_encoder")) {
+        return NULL;
+    }
+    PyObject *records = args[0], *batch = args[1], *seen = args[4], *ids = args[5];
+    Py_ssize_t filled = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t target = PyLong_AsSsize_t(args[3]);
+    if ((filled == -1 || target == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (filled < 0 || filled > PyByteArray_GET_SIZE(batch)) {
+        PyErr_SetString(PyExc_ValueError, "append_lines: filled is outside the batch");
+        return NULL;
+    }
+    PyObject *left = NULL;
+    int ended = 0;
+    Py_ssize_t since_yield = 0;
+    while (filled < target) {
+        PyObject *record = PyIter_Next(records);
+        if (record == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            ended = 1;
+            break;
+        }
+        PyObject *episode_id, *line;
+        int encoded = encode_pair(record, &episode_id, &line);
+        if (encoded < 0) {
+            Py_DECREF(record);
+            return NULL;
+        }
+        if (encoded == 0) {
+            left = record;
+            break;
+        }
+        int known = PySet_Contains(seen, episode_id);
+        if (known != 0) {
+            Py_DECREF(episode_id);
+            Py_DECREF(line);
+            if (known < 0) {
+                Py_DECREF(record);
+                return NULL;
+            }
+            left = record; /* the Python code names the duplicate */
+            break;
+        }
+        Py_DECREF(record);
+        Py_ssize_t length = PyBytes_GET_SIZE(line);
+        Py_ssize_t end = filled + length;
+        if (PySet_Add(seen, episode_id) < 0 || PyList_Append(ids, episode_id) < 0 ||
+            (end > PyByteArray_GET_SIZE(batch) && PyByteArray_Resize(batch, end) < 0)) {
+            Py_DECREF(episode_id);
+            Py_DECREF(line);
+            return NULL;
+        }
+        Py_DECREF(episode_id);
+        memcpy(PyByteArray_AS_STRING(batch) + filled, PyBytes_AS_STRING(line), (size_t)length);
+        Py_DECREF(line);
+        filled = end;
+        since_yield += length;
+        if (since_yield >= YIELD_BYTES) {
+            since_yield = 0;
+            Py_BEGIN_ALLOW_THREADS
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyObject *answer = Py_BuildValue("(nOO)", filled, ended ? Py_True : Py_False, left == NULL ? Py_None : left);
+    Py_XDECREF(left);
+    return answer;
 }
 
 /* ---- decode_line: codec.decode_line_and_id's common case in one call ---- */
@@ -640,24 +770,17 @@ configure_decoder(PyObject *module, PyObject *loads)
 static const char fast_prefix[] = "{\"episode_id\":\""; /* codec.FAST_PREFIX */
 #define FAST_PREFIX_LENGTH 15
 
-/* 1 when the line (its buffer) starts with the fast prefix */
-static int
-has_fast_prefix(PyObject *line)
+/* 1 when the line starts with the fast prefix */
+static inline int
+has_fast_prefix(const char *bytes, Py_ssize_t length)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(line, &view, PyBUF_SIMPLE) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    int found = view.len > FAST_PREFIX_LENGTH && memcmp(view.buf, fast_prefix, FAST_PREFIX_LENGTH) == 0;
-    PyBuffer_Release(&view);
-    return found;
+    return length > FAST_PREFIX_LENGTH && memcmp(bytes, fast_prefix, FAST_PREFIX_LENGTH) == 0;
 }
 
 /* 1 when the line's leading token is exactly '"' + the id's UTF-8 + '"' (how orjson writes an id
  * without a quote, a backslash or a control character); 0 otherwise, never an error */
 static int
-leads_with(PyObject *line, PyObject *episode_id)
+leads_with(const char *bytes, Py_ssize_t length, PyObject *episode_id)
 {
     Py_ssize_t size;
     const char *text = PyUnicode_AsUTF8AndSize(episode_id, &size);
@@ -671,53 +794,135 @@ leads_with(PyObject *line, PyObject *episode_id)
             return 0;
         }
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(line, &view, PyBUF_SIMPLE) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    const char *bytes = (const char *)view.buf;
-    int found = view.len > FAST_PREFIX_LENGTH + size && memcmp(bytes, fast_prefix, FAST_PREFIX_LENGTH) == 0 &&
-                memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 &&
-                bytes[FAST_PREFIX_LENGTH + size] == '"';
-    PyBuffer_Release(&view);
-    return found;
+    return length > FAST_PREFIX_LENGTH + size && has_fast_prefix(bytes, length) &&
+           memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 && bytes[FAST_PREFIX_LENGTH + size] == '"';
 }
 
-/* (episode_id, record) of a fast line (bytes or memoryview), as codec.decode_line_and_id returns
- * them, or None where the Python code decides: an exact or damaged line, or an id orjson spells
- * with escapes. */
-static PyObject *
-decode_line(PyObject *module, PyObject *line)
+/* Decode a fast line as codec.decode_line_and_id does: 1 with new references in *episode_id and
+ * *record, 0 where the Python code decides (an exact or damaged line, or an id orjson spells
+ * with escapes), -1 with an error set. line is the object orjson reads; bytes and length are
+ * its buffer, valid for the call. */
+static int
+decode_pair(PyObject *line, const char *bytes, Py_ssize_t length, PyObject **episode_id_out, PyObject **record_out)
 {
-    (void)module;
-    if (orjson_loads == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "gymckpt.store._exact.configure_decoder() was not called");
-        return NULL;
-    }
-    if (!has_fast_prefix(line)) {
-        Py_RETURN_NONE;
+    if (!has_fast_prefix(bytes, length)) {
+        return 0;
     }
     PyObject *record = PyObject_CallOneArg(orjson_loads, line);
     if (record == NULL) {
         if (PyErr_ExceptionMatches(PyExc_ValueError)) {
             PyErr_Clear(); /* damage: the Python code names it */
-            Py_RETURN_NONE;
+            return 0;
         }
-        return NULL;
+        return -1;
     }
     Py_ssize_t position = 0;
     PyObject *key, *episode_id;
     if (Py_TYPE(record) == &PyDict_Type && PyDict_Next(record, &position, &key, &episode_id) &&
         Py_TYPE(key) == &PyUnicode_Type && Py_TYPE(episode_id) == &PyUnicode_Type &&
-        PyUnicode_Compare(key, episode_id_key) == 0 && leads_with(line, episode_id)) {
-        PyObject *pair = PyTuple_Pack(2, episode_id, record);
-        Py_DECREF(record);
-        return pair;
+        PyUnicode_Compare(key, episode_id_key) == 0 && leads_with(bytes, length, episode_id)) {
+        *episode_id_out = Py_NewRef(episode_id);
+        *record_out = record;
+        return 1;
     }
     PyErr_Clear(); /* PyUnicode_Compare cannot fail on two str; nothing else here sets an error */
     Py_DECREF(record);
-    Py_RETURN_NONE;
+    return 0;
+}
+
+/* (episode_id, record) of a fast line (bytes or memoryview), as codec.decode_line_and_id returns
+ * them, or None where the Python code decides (see decode_pair). */
+static PyObject *
+decode_line(PyObject *module, PyObject *line)
+{
+    (void)module;
+    if (!configured(orjson_loads, "configure_decoder")) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(line, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *episode_id = NULL, *record = NULL;
+    int decoded = decode_pair(line, (const char *)view.buf, view.len, &episode_id, &record);
+    PyBuffer_Release(&view);
+    return pair_or_none(decoded, episode_id, record);
+}
+
+/* decode_lines(chunk, start, limit, ids) -> (records, position)
+ *
+ * read_records' loop over fast lines: decodes the newline-ended lines of the bytes chunk from
+ * offset start, as decode_line does, appending each id to the list ids and each record to the
+ * list it returns, until the lines read pass limit bytes, a line is no fast line (left to the
+ * Python code), or no newline is left. position is where the next line starts: the line it
+ * left, the rest of a line the next chunk ends, or len(chunk). */
+static PyObject *
+decode_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4 || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
+        !PyList_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "decode_lines(chunk: bytes, start: int, limit: int, ids: list)");
+        return NULL;
+    }
+    if (!configured(orjson_loads, "configure_decoder")) {
+        return NULL;
+    }
+    PyObject *chunk = args[0], *ids = args[3];
+    const char *data = PyBytes_AS_STRING(chunk);
+    Py_ssize_t size = PyBytes_GET_SIZE(chunk);
+    Py_ssize_t position = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if ((position == -1 || limit == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (position < 0 || position > size || limit < 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_lines: start is outside the chunk, or limit is negative");
+        return NULL;
+    }
+    PyObject *records = PyList_New(0);
+    if (records == NULL) {
+        return NULL;
+    }
+    Py_ssize_t stop = limit < size - position ? position + limit : size;
+    while (position < stop) {
+        const char *line = data + position;
+        const char *newline = memchr(line, '\n', (size_t)(size - position));
+        if (newline == NULL) {
+            break;
+        }
+        Py_ssize_t length = newline - line;
+        if (!has_fast_prefix(line, length)) {
+            break;
+        }
+        /* a view of the chunk, which outlives it: orjson copies what it keeps */
+        PyObject *view = PyMemoryView_FromMemory((char *)line, length, PyBUF_READ);
+        if (view == NULL) {
+            Py_DECREF(records);
+            return NULL;
+        }
+        PyObject *episode_id, *record;
+        int decoded = decode_pair(view, line, length, &episode_id, &record);
+        Py_DECREF(view);
+        if (decoded < 0) {
+            Py_DECREF(records);
+            return NULL;
+        }
+        if (decoded == 0) {
+            break;
+        }
+        int failed = PyList_Append(ids, episode_id) < 0 || PyList_Append(records, record) < 0;
+        Py_DECREF(episode_id);
+        Py_DECREF(record);
+        if (failed) {
+            Py_DECREF(records);
+            return NULL;
+        }
+        position += length + 1;
+    }
+    PyObject *answer = Py_BuildValue("(Nn)", records, position);
+    return answer;
 }
 
 static PyMethodDef methods[] = {
@@ -732,7 +937,13 @@ static PyMethodDef methods[] = {
     {"encode_line", encode_line, METH_O,
      "encode_line(record) -> (episode_id, line) | None: codec.encode_record's answer for a record it writes "
      "without Python code; None where the Python code decides."},
+    {"append_lines", (PyCFunction)(void (*)(void))append_lines, METH_FASTCALL,
+     "append_lines(records, batch, filled, target, seen, ids) -> (filled, ended, record): write_records' loop "
+     "for the records encode_line writes; returns at target, at the end, or with a record left to Python."},
     {"configure_decoder", configure_decoder, METH_O, "configure_decoder(loads) -> None: the orjson.loads decode_line calls."},
+    {"decode_lines", (PyCFunction)(void (*)(void))decode_lines, METH_FASTCALL,
+     "decode_lines(chunk, start, limit, ids) -> (records, position): read_records' loop over fast lines, from start "
+     "until limit bytes, a line left to Python, or the last newline."},
     {"decode_line", decode_line, METH_O,
      "decode_line(line) -> (episode_id, record) | None: codec.decode_line_and_id's answer for a fast line; "
      "None where the Python code decides."},

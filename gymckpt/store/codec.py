@@ -90,13 +90,19 @@ def _refuse(value: object) -> object:
 #: encode_record's common case in one C call (the same answer, or None where the Python code decides);
 #: None without the accelerator
 _encode_line: Callable[[object], tuple[str, bytes] | None] | None = None
+#: records.write_records' loop over records _encode_line writes (see _exact.c); None without the accelerator
+_append_lines: Callable[..., tuple[int, bool, object]] | None = None
 #: decode_line_and_id's common case (a fast line) in one C call, likewise
 _decode_fast_line: Callable[[bytes | memoryview], tuple[str, dict[str, Any]] | None] | None = None
+#: records.read_records' loop over a chunk's fast lines (see _exact.c); None without the accelerator
+_decode_fast_lines: Callable[[bytes, int, int, list[str]], tuple[list[dict[str, Any]], int]] | None = None
 if _walks.ACCELERATOR is not None:
     _walks.ACCELERATOR.configure_encoder(orjson.dumps, _refuse, _LINE_OPTIONS)
     _walks.ACCELERATOR.configure_decoder(orjson.loads)
     _encode_line = _walks.ACCELERATOR.encode_line
+    _append_lines = _walks.ACCELERATOR.append_lines
     _decode_fast_line = _walks.ACCELERATOR.decode_line
+    _decode_fast_lines = _walks.ACCELERATOR.decode_lines
 
 
 def _exact_path_safe(value: object, *, check_strings: bool) -> int | None:

@@ -80,7 +80,9 @@ def walks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     monkeypatch.setattr(codec, "_fast_walk", chosen.fast)
     monkeypatch.setattr(codec, "_exact_encoder", chosen.exact)
     monkeypatch.setattr(codec, "_encode_line", None if chosen.exact is None else _exact.encode_line)
+    monkeypatch.setattr(codec, "_append_lines", None if chosen.exact is None else _exact.append_lines)
     monkeypatch.setattr(codec, "_decode_fast_line", None if chosen.exact is None else _exact.decode_line)
+    monkeypatch.setattr(codec, "_decode_fast_lines", None if chosen.exact is None else _exact.decode_lines)
     yield chosen
 
 
@@ -111,7 +113,9 @@ def test_the_accelerator_is_built_and_used_where_a_c_compiler_exists() -> None:
     assert codec._fast_walk is _exact.fast_path_safe
     assert codec._exact_encoder is _exact.exact_line
     assert codec._encode_line is _exact.encode_line
+    assert codec._append_lines is _exact.append_lines
     assert codec._decode_fast_line is _exact.decode_line
+    assert codec._decode_fast_lines is _exact.decode_lines
 
 
 def test_gymckpt_pure_python_keeps_to_python(tmp_path: Any) -> None:
@@ -122,7 +126,7 @@ def test_gymckpt_pure_python_keeps_to_python(tmp_path: Any) -> None:
         "from gymckpt.store import _walks, codec\n"
         "assert not codec.ACCELERATED\n"
         "assert codec._fast_walk is _walks.fast_path_safe and codec._exact_encoder is None\n"
-        "assert codec._encode_line is None and codec._decode_fast_line is None\n"
+        "assert codec._encode_line is codec._decode_fast_line is codec._append_lines is codec._decode_fast_lines is None\n"
         "_, line = codec.encode_record({'episode_id': 'x', 'v': float('nan'), 'n': 2**70})\n"
         "print(line.decode(), end='')\n"
     )

@@ -23,6 +23,8 @@ from gymckpt.store.codec import decode_line, decode_record, encode_record
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, RecordsSummary, read_records, write_records
 from gymckpt.testing.values import assert_identical, sample_records
 
+from ..support import REPO
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -395,6 +397,61 @@ def test_breaking_out_of_a_for_loop_ends_the_reader_thread(tmp_path) -> None:
     assert not readers[0].is_alive()
     assert set(live_threads(READER_THREAD)) <= before
     assert gc.isenabled()
+
+
+_GENERATIONS_PROGRAM = """
+import gc, sys, weakref
+from gymckpt.store import open_store
+from gymckpt.testing.values import sample_records
+
+class Node:
+    pass
+
+store = open_store(sys.argv[1])
+store.write_participant("ck", kind="agent", instance="a0", checkpoint_id="c", records=iter(sample_records(3000)))
+if sys.argv[2] == "frozen":
+    kept = [[index] for index in range(1000)]
+    gc.freeze()
+frozen = gc.get_freeze_count()
+records, garbage = [], None
+for record in store.read_participant("ck", kind="agent", instance="a0"):
+    records.append(record)
+    if garbage is None:  # a reference cycle dropped while the GC is paused
+        node = Node()
+        node.self = node
+        garbage = weakref.ref(node)
+        del node
+oldest = {id(item) for item in gc.get_objects(generation=2)}
+print(sum(id(record) in oldest for record in records), len(records), gc.isenabled(), gc.get_freeze_count() - frozen)
+gc.collect()
+print(garbage() is None)
+"""
+
+
+@pytest.mark.parametrize("application", ["plain", "frozen"])
+def test_a_large_read_moves_its_records_to_the_oldest_generation_unless_the_application_froze_objects(
+    tmp_path, application: str
+) -> None:
+    """Many records read: the GC resumes with them in its oldest generation, not collected on the way.
+
+    An application that froze objects keeps them frozen (the records then go the usual way),
+    and a cycle dropped during the read is still collected.
+    """
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _GENERATIONS_PROGRAM, str(tmp_path / "store"), application],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
+    )
+    assert done.returncode == 0, done.stderr
+    promoted, count, enabled, newly_frozen = done.stdout.split("\n")[0].split()
+    assert (int(count), enabled, int(newly_frozen)) == (3000, "True", 0)
+    assert int(promoted) == (3000 if application == "plain" else 0)
+    assert done.stdout.split("\n")[1] == "True"
 
 
 def test_a_finished_read_leaves_no_thread(tmp_path) -> None:

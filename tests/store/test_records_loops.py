@@ -1,0 +1,319 @@
+"""The records loops in C and in Python give the same files, records, ids and errors.
+
+- Writing: ``_exact.append_lines`` takes the records ``encode_line`` writes and leaves every
+  other one (no leading id, orjson's refusals, a duplicate id, anything not a dict) to the
+  Python loop, which decides as it always did.
+- Reading: ``_exact.decode_lines`` decodes a chunk's fast lines and leaves the others (exact
+  lines, damaged ones, lines across chunks) to the Python loop.
+
+Each comparison runs the same input both ways, at chunk sizes from one byte up, and compares
+the chunks, the summary, the records and the error raised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+from typing import Any
+
+import pytest
+
+from gymckpt import errors
+from gymckpt.errors import NotJSONError
+from gymckpt.store import codec
+from gymckpt.store.codec import InvalidRecord, encode_record, encoded
+from gymckpt.store.records import RecordsCheck, RecordsSummary, read_records, write_records
+from gymckpt.testing.values import assert_identical, sample_records
+
+from .test_records_chunks import ChunkSink
+
+try:
+    from gymckpt.store import _exact  # type: ignore[attr-defined]
+except ImportError:  # not built here (no C compiler): only the Python loop is there to test
+    _exact = None
+
+needs_accelerator = pytest.mark.skipif(_exact is None, reason="gymckpt.store._exact is not built (no C compiler)")
+
+if _exact is not None:  # configured here too: with GYMCKPT_PURE_PYTHON=1 the codec leaves it alone
+    _exact.configure_encoder(codec.orjson.dumps, codec._refuse, codec._LINE_OPTIONS)
+    _exact.configure_decoder(codec.orjson.loads)
+
+
+def _write(records: list[Any], chunk_size: int, *, c_loop: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """(summary, chunk sizes, file bytes) of write_records with one loop, or the error it raised."""
+    with monkeypatch.context() as patch:
+        patch.setattr(codec, "_append_lines", _exact.append_lines if c_loop else None)
+        patch.setattr(codec, "_encode_line", _exact.encode_line if c_loop else None)
+        sink = _KeepingSink()
+        try:
+            summary = write_records(sink, iter(records), chunk_size=chunk_size)
+        except (InvalidRecord, NotJSONError) as exc:
+            return type(exc), str(exc), sink.sizes
+        return summary, sink.sizes, b"".join(sink.kept)
+
+
+class _KeepingSink(ChunkSink):
+    """A ChunkSink that also keeps a copy of every chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[bytes] = []
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        super().write(chunk)
+        self.kept.append(bytes(chunk))
+
+
+def _mixed(count: int) -> list[Any]:
+    """Fast records, exact ones (NaN, big ints, deep nesting) and pre-encoded ones, interleaved."""
+    records: list[Any] = sample_records(count, payload=150)
+    for index in range(2, count, 4):
+        records[index] = encoded(records[index])
+    return records
+
+
+@needs_accelerator
+@pytest.mark.parametrize("chunk_size", [1, 97, 700, 4096, 1 << 20])
+def test_both_loops_write_the_same_chunks_and_summary(chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = _mixed(90)
+    with_c = _write(records, chunk_size, c_loop=True, monkeypatch=monkeypatch)
+    with_python = _write(records, chunk_size, c_loop=False, monkeypatch=monkeypatch)
+    assert isinstance(with_c[0], RecordsSummary), with_c
+    assert with_c == with_python
+    summary, sizes, data = with_c
+    assert data == b"".join(encode_record(record)[1] if isinstance(record, dict) else record.line for record in records)
+    assert summary.episode_ids == [f"r{index}" for index in range(90)]
+    assert summary.count == 90 and summary.size == len(data) == sum(sizes)
+
+
+BAD_SEQUENCES = {
+    "duplicate": lambda rs: [rs[0], rs[1], rs[0]],
+    "duplicate_encoded": lambda rs: [rs[0], rs[1], encoded(rs[1])],
+    "encoded_then_duplicate": lambda rs: [encoded(rs[0]), rs[2], rs[0]],
+    "none_record": lambda rs: [rs[0], None, rs[1]],
+    "list_record": lambda rs: [rs[0], ["episode_id", "x"], rs[1]],
+    "id_not_first": lambda rs: [rs[0], {"v": 1, "episode_id": "late"}],
+    "empty_id": lambda rs: [rs[0], {"episode_id": ""}],
+    "tuple_value": lambda rs: [rs[0], rs[1], {"episode_id": "t", "v": (1, 2)}],
+    "set_value": lambda rs: [rs[0], {"episode_id": "s", "v": {1}}],
+}
+
+
+@needs_accelerator
+@pytest.mark.parametrize("name", sorted(BAD_SEQUENCES))
+@pytest.mark.parametrize("chunk_size", [1, 4096])
+def test_both_loops_refuse_the_same_record_with_the_same_error(
+    name: str, chunk_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = BAD_SEQUENCES[name](sample_records(4, payload=40))
+    with_c = _write(records, chunk_size, c_loop=True, monkeypatch=monkeypatch)
+    with_python = _write(records, chunk_size, c_loop=False, monkeypatch=monkeypatch)
+    assert with_c[0] in (InvalidRecord, NotJSONError), with_c
+    assert with_c == with_python
+
+
+def _fast(count: int, start: int = 0) -> list[dict[str, Any]]:
+    return [{"episode_id": f"e{index}", "tokens": [index, index + 1], "text": "é"} for index in range(start, count)]
+
+
+@needs_accelerator
+def test_append_lines_stops_at_its_target_and_says_when_the_records_ended() -> None:
+    records = _fast(5)
+    lines = [encode_record(record)[1] for record in records]
+    pending = iter(records)
+    batch, seen, ids = bytearray(), set(), []
+    filled, ended, left = _exact.append_lines(pending, batch, 0, len(lines[0]) + 1, seen, ids)
+    assert (filled, ended, left) == (len(lines[0]) + len(lines[1]), False, None)  # the line that passed the target
+    assert bytes(batch[:filled]) == lines[0] + lines[1]
+    filled, ended, left = _exact.append_lines(pending, batch, filled, 1 << 20, seen, ids)
+    assert (filled, ended, left) == (sum(map(len, lines)), True, None)
+    assert bytes(batch[:filled]) == b"".join(lines)
+    assert ids == ["e0", "e1", "e2", "e3", "e4"] and seen == set(ids)
+    assert _exact.append_lines(pending, batch, filled, 1 << 20, seen, ids) == (filled, True, None)
+
+
+@needs_accelerator
+@pytest.mark.parametrize(
+    "left",
+    [None, 7, {"episode_id": "big", "v": 2**70}, {"v": 1, "episode_id": "late"}, {"episode_id": "e1"}],
+    ids=["none", "int", "big_int", "id_not_first", "duplicate"],
+)
+def test_append_lines_leaves_a_record_to_python_with_nothing_of_it_written(left: Any) -> None:
+    before = _fast(2)
+    pending = iter([*before, left, *_fast(4, start=2)])
+    batch, seen, ids = bytearray(), set(), []
+    filled, ended, returned = _exact.append_lines(pending, batch, 0, 1 << 20, seen, ids)
+    assert not ended and returned is left
+    assert filled == sum(len(encode_record(record)[1]) for record in before)
+    assert ids == ["e0", "e1"] and seen == {"e0", "e1"}
+    # the next call goes on after it
+    filled, ended, returned = _exact.append_lines(pending, batch, filled, 1 << 20, seen, ids)
+    assert ended and returned is None and ids == ["e0", "e1", "e2", "e3"]
+
+
+@needs_accelerator
+def test_append_lines_writes_nan_and_infinities_itself_and_reuses_a_larger_buffer() -> None:
+    record = {"episode_id": "n", "v": [float("nan"), float("inf"), -0.0]}
+    batch = bytearray(b"#" * 500)
+    filled, ended, left = _exact.append_lines(iter([record]), batch, 3, 1 << 20, set(), [])
+    line = encode_record(record)[1]
+    assert (filled, ended, left) == (3 + len(line), True, None)
+    assert len(batch) == 500, "a buffer the line fits in keeps its size"
+    assert bytes(batch[3:filled]) == line and batch[:3] == b"###"
+
+
+@needs_accelerator
+def test_append_lines_refuses_arguments_of_the_wrong_types() -> None:
+    good = (iter([]), bytearray(), 0, 10, set(), [])
+    for index, wrong in itertools.product(range(6), ([], b"x", "1", 1.0)):
+        arguments = list(good)
+        arguments[index] = wrong
+        if type(wrong) is type(good[index]):
+            continue
+        with pytest.raises(TypeError, match="append_lines"):
+            _exact.append_lines(*arguments)
+    with pytest.raises(ValueError, match="outside the batch"):
+        _exact.append_lines(iter([]), bytearray(4), 5, 10, set(), [])
+
+
+@needs_accelerator
+def test_an_error_raised_by_the_records_iterator_comes_through() -> None:
+    def records() -> Any:
+        yield from _fast(2)
+        raise RuntimeError("the source failed")
+
+    ids: list[str] = []
+    with pytest.raises(RuntimeError, match="the source failed"):
+        _exact.append_lines(records(), bytearray(), 0, 1 << 20, set(), ids)
+    assert ids == ["e0", "e1"]
+
+
+# --- reading
+
+
+def _check(data: bytes, count: int, ids: list[str] | None) -> RecordsCheck:
+    return RecordsCheck(
+        path="d/records.jsonl",
+        participant="agent/a0",
+        manifest_path="d/manifest.json",
+        sha256=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+        count=count,
+        episode_ids=None if ids is None else tuple(sorted(ids)),
+    )
+
+
+def _read(data: bytes, check: RecordsCheck, chunk_size: int, *, c_loop: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """(records, progress total) of read_records with one loop, or (error type, message, records before it)."""
+    records: list[Any] = []
+    progressed: list[int] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(codec, "_decode_fast_lines", _exact.decode_lines if c_loop else None)
+        try:
+            for record in read_records(io.BytesIO(data), check, chunk_size=chunk_size, progress=progressed.append):
+                records.append(record)
+        except errors.InvalidCheckpointState as exc:
+            return type(exc), str(exc), records
+    return records, sum(progressed)
+
+
+def _lines_of(records: list[Any]) -> bytes:
+    return b"".join(encode_record(record)[1] for record in records)
+
+
+ESCAPED_IDS = [{"episode_id": 'quote"d', "v": 1}, {"episode_id": "tab\tbed", "v": [2]}, {"episode_id": "é", "v": {}}]
+
+
+@needs_accelerator
+@pytest.mark.parametrize("chunk_size", [1, 5, 97, 700, 4096, 1 << 20])
+def test_both_read_loops_give_the_same_records_and_progress(chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    records = [*sample_records(60, payload=120), *ESCAPED_IDS, *sample_records(5, prefix="z")]
+    data = _lines_of(records)
+    check = _check(data, len(records), [record["episode_id"] for record in records])
+    with_c = _read(data, check, chunk_size, c_loop=True, monkeypatch=monkeypatch)
+    with_python = _read(data, check, chunk_size, c_loop=False, monkeypatch=monkeypatch)
+    assert isinstance(with_c[0], list), with_c
+    assert_identical(with_c[0], records)
+    assert_identical(with_python[0], records)
+    assert with_c[1] == with_python[1] == len(data)
+
+
+def _damaged(name: str) -> tuple[bytes, int]:
+    """(file bytes, lines claimed) of a damaged file; its digest and size are consistent."""
+    good = _lines_of(sample_records(6, payload=30))
+    lines = good.splitlines(keepends=True)
+    if name == "not_json":
+        return b"".join([*lines[:3], b'{"episode_id":"bad", not json}\n', *lines[3:]]), 7
+    if name == "fast_prefix_but_truncated":
+        return b"".join([*lines[:2], lines[2][:40] + b"\n", *lines[3:]]), 6
+    if name == "id_not_leading":
+        return b"".join([*lines[:4], b'{"v":1,"episode_id":"late"}\n', *lines[4:]]), 7
+    if name == "no_final_newline":
+        return good[:-1], 6
+    if name == "empty_line":
+        return b"".join([*lines[:1], b"\n", *lines[1:]]), 7
+    if name == "two_damaged":
+        return b"".join([lines[0], b"{]\n", lines[1], b"nope\n", *lines[2:]]), 8
+    raise AssertionError(name)
+
+
+DAMAGE = ["not_json", "fast_prefix_but_truncated", "id_not_leading", "no_final_newline", "empty_line", "two_damaged"]
+
+
+@needs_accelerator
+@pytest.mark.parametrize("name", DAMAGE)
+@pytest.mark.parametrize("chunk_size", [1, 64, 1 << 20])
+def test_both_read_loops_name_the_same_damaged_line(
+    name: str, chunk_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, count = _damaged(name)
+    check = _check(data, count, None)
+    with_c = _read(data, check, chunk_size, c_loop=True, monkeypatch=monkeypatch)
+    with_python = _read(data, check, chunk_size, c_loop=False, monkeypatch=monkeypatch)
+    assert with_c[0] is errors.RecordUndecodable, with_c
+    assert with_c[:2] == with_python[:2]
+    assert_identical(with_c[2], with_python[2])
+
+
+@needs_accelerator
+def test_decode_lines_stops_at_its_limit_and_at_the_last_newline() -> None:
+    records = _fast(4)
+    data = _lines_of(records)
+    first = len(encode_record(records[0])[1])
+    ids: list[str] = []
+    decoded, position = _exact.decode_lines(data + b'{"episode_id":"par', 0, 1, ids)
+    assert (decoded, position, ids) == (records[:1], first, ["e0"])  # the line that passed the limit
+    decoded, position = _exact.decode_lines(data + b'{"episode_id":"par', position, 1 << 20, ids)
+    assert decoded == records[1:] and position == len(data)  # the unfinished line is left for the next chunk
+    assert ids == ["e0", "e1", "e2", "e3"]
+    assert _exact.decode_lines(data, len(data), 1 << 20, ids) == ([], len(data))
+
+
+@needs_accelerator
+@pytest.mark.parametrize(
+    "left",
+    [
+        b'{"episode_id": "x","v": NaN}\n',
+        b'{"episode_id":"q\\"x","v":1}\n',
+        b'{"episode_id":"x", broken\n',
+        b"\n",
+        b'{"v":1,"episode_id":"x"}\n',
+    ],
+    ids=["exact", "escaped_id", "damaged", "empty", "id_not_leading"],
+)
+def test_decode_lines_leaves_a_line_it_does_not_read_fast_where_it_starts(left: bytes) -> None:
+    before = _lines_of(_fast(2))
+    ids: list[str] = []
+    decoded, position = _exact.decode_lines(before + left + _lines_of(_fast(3, start=2)), 0, 1 << 20, ids)
+    assert decoded == _fast(2) and position == len(before) and ids == ["e0", "e1"]
+
+
+@needs_accelerator
+def test_decode_lines_refuses_arguments_of_the_wrong_types() -> None:
+    for arguments in ((bytearray(b"x\n"), 0, 1, []), (b"x", "0", 1, []), (b"x", 0, 1, ()), (b"x", 0, 1.0, [])):
+        with pytest.raises(TypeError, match="decode_lines"):
+            _exact.decode_lines(*arguments)
+    for start, limit in ((3, 1), (-1, 1), (0, -1)):
+        with pytest.raises(ValueError, match="outside the chunk"):
+            _exact.decode_lines(b"ab", start, limit, [])
