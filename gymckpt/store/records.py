@@ -40,6 +40,7 @@ from gymckpt.store.codec import (
     episode_id_of_line,
     reference_episode_id_of_line,
 )
+from gymckpt.store.handoffs import quick_handoffs
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Generator, Iterable, Iterator
@@ -173,6 +174,14 @@ def write_records(
     :class:`~gymckpt.errors.NotJSONError`, :class:`WriteStopped`, or the sink's
     storage error. The sink is left for the caller to finish or abort.
     """
+    with quick_handoffs():  # the writer thread gets the GIL back sooner each time it returns from hashlib or a write
+        return _write_chunks(sink, records, stop, chunk_size)
+
+
+def _write_chunks(
+    sink: BlobSink, records: Iterable[dict[str, Any] | EncodedRecord], stop: WriteStop | None, chunk_size: int
+) -> RecordsSummary:
+    """write_records' loops: the caller's thread encodes, a :class:`_ChunkWriter` hashes and writes."""
     writer = _ChunkWriter(sink)
     writer.start()
     fast_encode = codec._encode_line  # encode_record's common case in one C call, where built
