@@ -516,7 +516,6 @@ def read_records(
     )
     # every line of gymckpt's own format decoded: each id is read from its record, no line is read twice
     whole = scope is None and not expected.reference
-    fast_decode = codec._decode_fast_line  # decode_line_and_id's common case in one C call, where built
     episode_ids: list[str] = []
     undecodable: str | None = None
     line_number = 0
@@ -534,8 +533,7 @@ def read_records(
                             continue
                         try:
                             if whole:
-                                pair = None if fast_decode is None else fast_decode(line)
-                                episode_id, record = decode_line_and_id(line) if pair is None else pair
+                                episode_id, record = decode_line_and_id(line)  # its fast case in C where built
                                 episode_ids.append(episode_id)
                                 yield record
                                 continue
