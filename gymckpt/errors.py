@@ -22,8 +22,10 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── ServerCallFailed                         502 server_unreachable: a control call got no typed reply
     ├── CoordinationError                        a fan-out that failed on some servers (controller side, never on the wire)
     ├── DownstreamError                          502 downstream_error: a server this one calls answered an error
-    │   └── InferenceFailed                      502 inference_failed: the policy model's backend failed
+    │   ├── InferenceFailed                      502 inference_failed: the policy model's backend failed
+    │   └── ReplyTooLarge                        a reply beyond its bound: read no further, the connection dropped
     ├── ClientDisconnected                       499 client_disconnected: nobody reads the reply any more
+    ├── RequestTimeout (TimeoutError)            408 request_timeout: a client too slow to send its request
     ├── SessionOwnerGone                         410 session_owner_gone: the worker that held a session exited
     ├── SessionForwardFailed                     502 session_forward_failed: the owning worker did not answer
     ├── StorageError (OSError)                   the storage failed (ENOSPC, EIO, network)
@@ -53,6 +55,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── RestoredInputMismatch                    409 restored_input_mismatch
     ├── InvalidDataset (ValueError)              400 invalid_dataset: a collection's dataset line (file:line: why)
     ├── CollectionExists (FileExistsError)       409 collection_exists: results or checkpoints of an earlier collection
+    ├── SettingsError (ValueError)               a settings file or dict refused at startup (file: key.path: why; never on the wire)
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -65,23 +68,29 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
         ├── RecordsMissing (FileNotFoundError)
         ├── RecordsSizeMismatch
         ├── RecordsDigestMismatch
-        ├── RecordUndecodable                    a line that is not a JSON object with an episode_id
+        ├── RecordUndecodable                    a line that is not a JSON object with an episode_id, or holds a key twice
+        │   └── RecordTooLong                    a line longer than its manifest's max_record_bytes (or the read cap)
         ├── RecordCountMismatch
         ├── EpisodeIdsMismatch
         ├── DuplicateEpisode                     an episode id on two lines, or twice in a manifest
         ├── NotRegularFile (OSError)             a symlink, FIFO or device where state belongs
+        ├── UnaddressableKey                     an object key with empty, '.' or '..' segments: no path reads it
         ├── FileTooLarge                         a manifest or checkpoint.json over its size limit
+        ├── DocumentTooComplex                   a manifest or checkpoint.json whose decoding would pass the parse budget
+        ├── DuplicateKey                         a key twice in one object of a manifest or checkpoint.json
         ├── CheckpointIndexInvalid               gym/checkpoint.json damaged or inconsistent
         │   ├── IndexParticipantMissing          it lists a participant whose manifest is missing
         │   ├── IndexDigestMismatch              a listed manifest hashes otherwise
         │   ├── IndexParticipantUnlisted         a committed participant it does not list
         │   └── CheckpointIdMismatch             a manifest of another checkpoint id
+        ├── CheckpointUnpublished (FileNotFoundError) no gym/checkpoint.json: a coordinated restore takes only published ones
         └── UnusableDirectory (OSError)          a directory that cannot hold state (read-only, no permission)
 """
 
 from __future__ import annotations
 
 import json
+from urllib.parse import urlsplit
 
 __all__ = [
     "AgentError",
@@ -89,9 +98,11 @@ __all__ = [
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
     "CheckpointIdMismatch",
+    "CheckpointUnpublished",
     "CheckpointIndexInvalid",
     "CheckpointParked",
     "ClientDisconnected",
+    "RequestTimeout",
     "ControlError",
     "CoordinationError",
     "CoordinatorUnavailable",
@@ -104,15 +115,20 @@ __all__ = [
     "EpisodeIdsMismatch",
     "ExportFailed",
     "FileTooLarge",
+    "DocumentTooComplex",
+    "DuplicateKey",
+    "RecordTooLong",
     "GymckptError",
     "IndexDigestMismatch",
     "IndexParticipantMissing",
     "IndexParticipantUnlisted",
     "InferenceFailed",
+    "ReplyTooLarge",
     "InvalidCheckpointState",
     "InvalidPayload",
     "InvalidDataset",
     "CollectionExists",
+    "SettingsError",
     "InvalidPhase",
     "InvalidRecord",
     "InvalidRequest",
@@ -124,6 +140,7 @@ __all__ = [
     "NoCheckpointFound",
     "NotJSONError",
     "NotRegularFile",
+    "UnaddressableKey",
     "ParticipantMismatch",
     "ParticipantNotFound",
     "RecordCountMismatch",
@@ -208,15 +225,49 @@ class ServerCallFailed(GymckptError):
 class CoordinationError(GymckptError):
     """A coordinated operation failed on some servers: ``failures`` names each one and why.
 
-    ``causes`` keeps each server's exception (typed by its wire code where it sent one).
+    ``causes`` keeps each server's exception (typed by its wire code where it sent one). The
+    message says each distinct cause once, on a line of its own, with the servers it hit
+    (``3 servers (URL, URL, URL): <cause>``; one server: ``URL: <cause>``): each URL once.
     """
 
     def __init__(self, operation: str, causes: dict[str, BaseException]) -> None:
         self.operation = operation
         self.causes = dict(sorted(causes.items()))
         self.failures = {server: str(cause) or type(cause).__name__ for server, cause in self.causes.items()}
-        listed = "; ".join(f"{server}: {text}" for server, text in self.failures.items())
-        super().__init__(f"checkpoint {operation} failed on {len(self.failures)} participant(s): {listed}")
+        grouped: dict[str, list[str]] = {}
+        for server, text in self.failures.items():
+            grouped.setdefault(_said_once(server, text), []).append(server)
+        lines = [
+            f"{servers[0]}: {self.failures[servers[0]].removeprefix(f'{servers[0]}: ')}"
+            if len(servers) == 1
+            else f"{len(servers)} servers ({', '.join(servers)}): {cause}"
+            for cause, servers in grouped.items()
+        ]
+        head = f"checkpoint {operation} failed on {len(self.failures)} participant(s): "
+        if len(lines) == 1:
+            super().__init__(head + lines[0])
+        else:
+            super().__init__(f"{head}{len(lines)} different causes" + "".join(f"\n  {line}" for line in lines))
+
+
+def _said_once(server: str, text: str) -> str:
+    """A cause's text as said once for several servers: without the server's own address.
+
+    A client's error leads with the server's URL and often names its host:port again
+    (``Cannot connect to host 127.0.0.1:8101 … ('127.0.0.1', 8101)``); with each put as
+    ``<server>``, the same cause on several servers reads the same.
+    """
+    text = text.removeprefix(f"{server}: ")
+    try:
+        address = urlsplit(server)
+        host, port = address.hostname, address.port
+    except ValueError:  # not a URL with a valid port ("deployment")
+        return text
+    if not host or port is None:
+        return text
+    for form in (server, f"('{host}', {port})", f"{host}:{port}"):
+        text = text.replace(form, "<server>")
+    return text
 
 
 class DownstreamError(GymckptError):
@@ -263,11 +314,32 @@ class InferenceFailed(DownstreamError):
     code = "inference_failed"
 
 
+class ReplyTooLarge(DownstreamError):
+    """A reply longer than the bound its caller reads (:func:`gymckpt.transport.read_bounded`): read no further.
+
+    ``limit`` is the bound, ``received`` the bytes read when it was refused (at most one
+    piece past the bound; 0 when ``Content-Length`` alone exceeded it). The connection is
+    dropped, never reused. It fails that one call, like any other reply that is no answer.
+    """
+
+    def __init__(self, detail: str, *, url: str = "", downstream_status: int = 0, limit: int, received: int) -> None:
+        super().__init__(detail, url=url, downstream_status=downstream_status)
+        self.limit = limit
+        self.received = received
+
+
 class ClientDisconnected(GymckptError):
     """The caller went away before the reply (nobody reads it); nginx's 499."""
 
     code = "client_disconnected"
     status = 499
+
+
+class RequestTimeout(GymckptError, TimeoutError):
+    """A client that did not send its request head in time, or its body too slowly; the server closes it."""
+
+    code = "request_timeout"
+    status = 408
 
 
 class StorageError(GymckptError, OSError):
@@ -499,6 +571,12 @@ class RecordUndecodable(InvalidCheckpointState):
     problem = "record_undecodable"
 
 
+class RecordTooLong(RecordUndecodable):
+    """A records line longer than its manifest's ``max_record_bytes`` (or the documented cap): held no further."""
+
+    problem = "record_too_long"
+
+
 class RecordCountMismatch(InvalidCheckpointState):
     problem = "record_count_mismatch"
 
@@ -522,10 +600,32 @@ class NotRegularFile(InvalidCheckpointState, OSError):
     problem = "not_regular_file"
 
 
+class UnaddressableKey(InvalidCheckpointState):
+    """An object key under a checkpoint with an empty, ``.`` or ``..`` segment (``gym//x``, ``gym/./x``).
+
+    No store-relative path names it, so no gymckpt reader reads it; a tool that maps keys to
+    paths would read it as another file. ``verify`` reports it, never skips it silently.
+    """
+
+    problem = "unaddressable_key"
+
+
 class FileTooLarge(InvalidCheckpointState):
     """A manifest or ``checkpoint.json`` larger than its documented limit (read no further)."""
 
     problem = "file_too_large"
+
+
+class DocumentTooComplex(InvalidCheckpointState):
+    """A manifest or ``checkpoint.json`` whose decoded objects would cost more than the parse budget (not decoded)."""
+
+    problem = "document_too_complex"
+
+
+class DuplicateKey(InvalidCheckpointState):
+    """A manifest or ``checkpoint.json`` holding one key twice in an object (readers that keep the first would differ)."""
+
+    problem = "duplicate_key"
 
 
 class CheckpointIndexInvalid(InvalidCheckpointState):
@@ -548,6 +648,12 @@ class CheckpointIdMismatch(CheckpointIndexInvalid):
     """A manifest whose ``checkpoint_id`` differs from the checkpoint's (its index, or the other manifests)."""
 
     problem = "checkpoint_id_mismatch"
+
+
+class CheckpointUnpublished(InvalidCheckpointState, FileNotFoundError):
+    """No ``gym/checkpoint.json``: the Coordinator restores only what was published (verify's finding of the same name)."""
+
+    problem = "checkpoint_unpublished"
 
 
 class UnusableDirectory(InvalidCheckpointState, OSError):
@@ -576,6 +682,21 @@ class CollectionExists(GymckptError, FileExistsError):
     status = 409
 
 
+class SettingsError(GymckptError, ValueError):
+    """Settings refused at startup (a server config, a stack file, a ``checkpoint:`` block); never on the wire.
+
+    ``problems`` holds ``(key path, why)`` pairs; the text is one ``file: key.path: why`` line
+    each (no ``file: `` for a dict, no key for the file as a whole). It shows no value given
+    (a token stays out of it) but a server kind or a ``"{name}"`` reference that names nothing.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]] | str, *, path: str = "") -> None:
+        self.problems = [("", problems)] if isinstance(problems, str) else list(problems)
+        self.path = path
+        where = f"{path}: " if path else ""
+        super().__init__("\n".join(f"{where}{key}: {why}" if key else f"{where}{why}" for key, why in self.problems))
+
+
 #: wire code → the one class that defines it (its subclasses inherit the code and are not listed)
 WIRE_ERRORS: dict[str, type[GymckptError]] = {
     cls.code: cls
@@ -588,6 +709,7 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         DownstreamError,
         InferenceFailed,
         ClientDisconnected,
+        RequestTimeout,
         SessionOwnerGone,
         SessionForwardFailed,
         StorageError,

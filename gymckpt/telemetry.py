@@ -334,7 +334,7 @@ def configure_from_environment(service_name: str) -> bool:
     (``otlp`` or ``console``) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and never with
     ``OTEL_SDK_DISABLED=true``. ``OTEL_SERVICE_NAME`` overrides ``service_name``. The
     OTLP exporter (HTTP/protobuf) reads its own variables (endpoint, headers, timeout).
-    Without the SDK installed (``pip install 'gymckpt[otel]'``) it logs a warning and
+    Without the SDK installed (``pip install -e '.[otel]'`` in the gymckpt clone) it logs a warning and
     returns False.
     """
     if _state["configured"] or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
@@ -348,7 +348,10 @@ def configure_from_environment(service_name: str) -> bool:
     try:
         from gymckpt._otel_sdk import install
     except ImportError as exc:
-        logger.warning("OTEL_* asks for telemetry but the SDK is not installed (pip install 'gymckpt[otel]'): %s", exc)
+        logger.warning(
+            "OTEL_* asks for telemetry but the SDK is not installed (pip install -e '.[otel]' in the gymckpt clone): %s",
+            exc,
+        )
         return False
     install(os.environ.get("OTEL_SERVICE_NAME") or service_name, traces, wanted_metrics)
     _state["configured"] = True

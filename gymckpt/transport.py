@@ -26,6 +26,14 @@ the harness, the coordinator, the collector) comes from :func:`client_session`:
   by default only ``GET``, ``HEAD`` and ``OPTIONS``). A fresh connection that drops, a
   refused connect, a timeout, or a reply cut after it began are never resent.
 
+Every reply is read within a bound (:func:`read_bounded`): in pieces, stopping as soon as
+it passes the bound (``Content-Length`` is checked first but never trusted alone, a chunked
+reply has none), so a server that answers an endless body costs its caller one bound of
+memory and fails that one call with :class:`~gymckpt.errors.ReplyTooLarge`. Control replies
+have a bound per route (:data:`gymckpt.control.replies.CONTROL_REPLY_LIMITS`); data replies
+one generous bound, :func:`data_reply_limit` (``GYMCKPT_MAX_REPLY_BYTES``). aiohttp decodes a
+compressed reply piece by piece, each piece bounded, so the bound holds for decoded bytes.
+
 What is safe to resend is the caller's knowledge: the control plane's calls are (prepare,
 renew, commit, resume, restore, retire and forget repeated with the same body answer as the
 first, SPEC C5-C10), a rollout's data call is not (a tool call would count twice, a
@@ -35,6 +43,7 @@ first, SPEC C5-C10), a rollout's data call is not (a tool call would count twice
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import resource
@@ -45,6 +54,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from gymckpt.errors import ReplyTooLarge
+
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from types import SimpleNamespace
@@ -52,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AWAITED_POOL_LIMIT",
     "CLIENT_IDLE_SECONDS",
+    "DATA_REPLY_LIMIT",
     "DESCRIPTOR_RESERVE",
     "DOWNSTREAM_POOL_LIMIT",
     "KEEP_ALIVE_ENV",
@@ -59,17 +71,21 @@ __all__ = [
     "MAX_POOL_LIMIT",
     "MIN_POOL_LIMIT",
     "POOL_LIMIT_ENV",
+    "REPLY_LIMIT_ENV",
     "SAFE_METHODS",
     "SERVER_KEEP_ALIVE_SECONDS",
     "DescriptorBudget",
     "awaited_pool_limit",
     "client_idle_seconds",
     "client_session",
+    "data_reply_limit",
     "descriptor_limits",
     "downstream_pool_limit",
     "dropped_connection",
     "pool_limit",
     "raise_descriptor_limit",
+    "read_bounded",
+    "read_bounded_json",
     "request",
     "server_keep_alive",
 ]
@@ -96,6 +112,13 @@ DOWNSTREAM_POOL_LIMIT = 1024
 MAX_POOL_LIMIT = 16_384
 #: methods sent once more without being told: they change nothing (RFC 9110 safe methods)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: the variable that sets the bound of every data reply a gymckpt client reads, in bytes (a positive integer)
+REPLY_LIMIT_ENV = "GYMCKPT_MAX_REPLY_BYTES"
+#: a data reply's bound (a ``/run`` result, a model's or a tool's answer, the backend's call log):
+#: generous, far above any reply of the reference stack, yet one bound of memory per call in flight
+DATA_REPLY_LIMIT = 256 << 20
+#: how much of a reply is read at a time: the most a bounded read holds past its bound
+REPLY_PIECE_BYTES = 1 << 16
 
 
 def _positive_float(name: str, raw: str) -> float:
@@ -298,6 +321,60 @@ def dropped_connection(exc: BaseException) -> bool:
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientConnectionResetError):
         return True
     return isinstance(exc, aiohttp.ClientOSError) and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+
+
+def data_reply_limit() -> int:
+    """The bound of a data reply in bytes: ``GYMCKPT_MAX_REPLY_BYTES``, else :data:`DATA_REPLY_LIMIT`."""
+    raw = os.environ.get(REPLY_LIMIT_ENV, "").strip()
+    if not raw:
+        return DATA_REPLY_LIMIT
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"{REPLY_LIMIT_ENV} must be a positive number of bytes, not {raw!r}")
+    return int(raw)
+
+
+async def read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The reply's body, read in pieces of :data:`REPLY_PIECE_BYTES`; past ``limit`` bytes, :class:`ReplyTooLarge`.
+
+    A ``Content-Length`` above the bound is refused before any byte is read; a body that
+    grows past it (chunked, or longer than it said) is refused once the bound is passed,
+    having held at most one piece more. Either way the connection is closed, not reused.
+    """
+    if limit <= 0:
+        raise ValueError(f"a reply bound must be positive, not {limit}")
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        _refuse(response, limit, 0, f"declares {declared} bytes")
+    pieces: list[bytes] = []
+    received = 0
+    async for piece in response.content.iter_chunked(REPLY_PIECE_BYTES):
+        received += len(piece)
+        if received > limit:
+            pieces.clear()
+            _refuse(response, limit, received, "goes on")
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+async def read_bounded_json(response: aiohttp.ClientResponse, limit: int) -> Any:
+    """The reply's JSON within ``limit`` bytes (:func:`read_bounded`); an empty body is None, as aiohttp's ``json()``.
+
+    A body that is not JSON raises ``ValueError``.
+    """
+    raw = await read_bounded(response, limit)
+    return json.loads(raw) if raw.strip() else None
+
+
+def _refuse(response: aiohttp.ClientResponse, limit: int, received: int, why: str) -> None:
+    response.close()  # the rest of the body is never read: the connection cannot serve another request
+    where = _where(str(response.url))
+    raise ReplyTooLarge(
+        f"{where} answered {response.status} with a reply that {why}: more than the {limit} bytes read of it",
+        url=where,
+        downstream_status=response.status,
+        limit=limit,
+        received=received,
+    )
 
 
 def _where(url: str) -> str:

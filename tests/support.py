@@ -21,6 +21,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -278,3 +279,21 @@ class LineWorker:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self._stderr.close()
+
+
+def read_reply(sock: socket.socket) -> bytes:
+    """One HTTP reply (head and Content-Length body) from a raw socket, each recv bounded by its timeout."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, data
+        body += chunk
+    return head + b"\r\n\r\n" + body

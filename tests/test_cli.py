@@ -4,7 +4,6 @@ process. Exit status: 0 clean, 1 damage found, 2 usage error or unreachable stor
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -16,9 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from click.testing import CliRunner, Result
-from rich.console import Console
 
-import gymckpt.cli
 from gymckpt.cli import main
 from gymckpt.control.settings import load_settings
 from gymckpt.errors import (
@@ -31,6 +28,7 @@ from gymckpt.servers.base import load_server_config
 from gymckpt.servers.counter import CounterConfig
 from gymckpt.stack import load_stack
 from gymckpt.store import open_store, verify
+from gymckpt.store._local import LocalBackend
 from gymckpt.store.codec import decode_line
 from gymckpt.store.manifest import RECORDS_NAME_PATTERN
 from gymckpt.store.verify import NoCheckpointFound
@@ -63,7 +61,14 @@ def one_line(text: str) -> str:
 
 def run(*args: str, env: dict[str, str] | None = None) -> Result:
     # GYMCKPT_ENDPOINT_URL from the developer's shell would make every local path a usage error
-    environment: dict[str, str | None] = {"GYMCKPT_ENDPOINT_URL": None, **PIPE_WIDTH, **(env or {})}
+    # and FORCE_COLOR or TTY_COMPATIBLE would make rich take the pipe for a terminal (see TERMINAL)
+    environment: dict[str, str | None] = {
+        "GYMCKPT_ENDPOINT_URL": None,
+        "FORCE_COLOR": None,
+        "TTY_COMPATIBLE": None,
+        **PIPE_WIDTH,
+        **(env or {}),
+    }
     return CliRunner().invoke(main, list(args), env=environment, catch_exceptions=True)
 
 
@@ -518,33 +523,28 @@ def test_sha256sum_agrees_with_every_records_file_name(root: Path, tmp_path: Pat
 MARKUP_NAMES = ["[bold]x", "a[/]b", "[red]x[/red]", "x:smile:y"]
 
 
+#: the environment in which the command's rich consoles are a terminal 400 columns wide (rich reads
+#: it when the command runs: FORCE_COLOR, and TTY_COMPATIBLE from rich 14 on)
+TERMINAL = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "TERM": "xterm-256color", "COLUMNS": "400"}
+
+
 class Consoles:
-    """Runs the CLI with its rich consoles as a pipe (the default) or as a terminal.
+    """Runs the CLI with its rich consoles as a pipe (the default) or as a terminal (:data:`TERMINAL`),
+    so that the table and progress branches run."""
 
-    As a terminal, the module's ``_stdout``/``_stderr`` are forced-terminal consoles writing
-    into buffers, so that the table and progress branches run."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    def __init__(self, terminal: bool) -> None:
         self.terminal = terminal
-        self.out = io.StringIO()
-        self.err = io.StringIO()
-        if terminal:
-            monkeypatch.setattr(gymckpt.cli, "_stdout", Console(file=self.out, force_terminal=True, width=400))
-            monkeypatch.setattr(gymckpt.cli, "_stderr", Console(file=self.err, force_terminal=True, width=400))
 
     def run(self, *args: str) -> tuple[Result, str, str]:
         """The result, and all of stdout and stderr as plain text."""
-        for buffer in (self.out, self.err):
-            buffer.seek(0)
-            buffer.truncate()
-        result = run(*args)
+        result = run(*args, env=TERMINAL if self.terminal else None)
         assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-        return result, plain(self.out.getvalue() + result.stdout), plain(self.err.getvalue() + result.stderr)
+        return result, plain(result.stdout), plain(result.stderr)
 
 
 @pytest.fixture(params=[False, True], ids=["pipe", "terminal"])
-def consoles(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Consoles:
-    return Consoles(monkeypatch, request.param)
+def consoles(request: pytest.FixtureRequest) -> Consoles:
+    return Consoles(request.param)
 
 
 def assert_one_error_line(result: Result, *expected: str) -> str:
@@ -765,7 +765,7 @@ def test_what_opening_the_storage_raises_exits_2_never_1(
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise error
 
-    monkeypatch.setattr(gymckpt.cli, "verify" if command == "verify" else "backend_for_url", fail)
+    monkeypatch.setattr(LocalBackend, "__init__", fail)  # what opening the storage raises, for both commands
     url = str(root / "ck-7")
     for as_json in (False, True):
         result = run(command, url, *(["--json"] if as_json else []))
@@ -784,7 +784,7 @@ def test_running_out_of_memory_exits_2_and_is_not_damage(
     def out_of_memory(*args: Any, **kwargs: Any) -> Any:
         raise MemoryError
 
-    monkeypatch.setattr(gymckpt.cli, "verify" if command == "verify" else "backend_for_url", out_of_memory)
+    monkeypatch.setattr(LocalBackend, "__init__", out_of_memory)
     result = run(command, str(root / "ck-7"))
     assert result.exit_code == 2, result.output
     line = assert_one_error_line(result, "ran out of memory", str(root / "ck-7"))
@@ -800,7 +800,7 @@ def test_damage_raised_while_verifying_exits_1(root: Path, monkeypatch: pytest.M
     def damaged(*args: Any, **kwargs: Any) -> Any:
         raise RecordsDigestMismatch("records file hashes to 00, manifest says 11", path="gym/x/records-11.jsonl")
 
-    monkeypatch.setattr(gymckpt.cli, "verify", damaged)
+    monkeypatch.setattr(LocalBackend, "__init__", damaged)
     result = run("verify", str(root / "ck-7"))
     assert result.exit_code == 1, result.output
     assert_one_error_line(result, "gym/x/records-11.jsonl: records file hashes to 00")
@@ -808,7 +808,6 @@ def test_damage_raised_while_verifying_exits_1(root: Path, monkeypatch: pytest.M
 
 def test_a_storage_error_while_listing_for_inspect_exits_2(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading the manifests for the listing fails: exit 2 with one line, not a traceback."""
-    from gymckpt.store._local import LocalBackend
 
     def broken(self: Any, path: str) -> Any:
         raise StorageError(f"cannot read {path}: Input/output error", path=path)

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from gymckpt.demo import run_demo
 from gymckpt.demo.report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, EXIT_TERMINATED, compare_results
+from gymckpt.demo.s3 import S3_EXTRA
 from gymckpt.store import verify
 
 ROLLOUTS = 8
@@ -281,7 +282,7 @@ def test_store_s3_without_moto_names_the_extra(monkeypatch: pytest.MonkeyPatch, 
     (line,) = result.stderr.splitlines()
     assert line.startswith("error: gymckpt demo --store s3 needs moto")
     assert "moto is not installed" in line
-    assert line.endswith("pip install 'gymckpt[demo-s3]'")
+    assert line.endswith(S3_EXTRA)
     assert "Traceback" not in result.output
     assert result.stdout == ""  # nothing started: no table
 

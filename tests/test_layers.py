@@ -72,3 +72,20 @@ def test_the_store_imports_nothing_of_the_others() -> None:
             module for module in _imports(path) if _layer(module) not in ("store", "identity", "errors", "_version")
         ]
         assert others == [], f"{path.relative_to(PACKAGE)} imports {others}"
+
+
+#: the command line's shared modules (errors → one line → exit code, output, options) and its command modules
+CLI_SHARED = ("_errors", "_output", "_options")
+CLI_COMMANDS = ("verify", "inspect", "serve", "demo", "collect")
+
+
+def test_the_command_line_is_one_module_per_command_group() -> None:
+    """Each command module uses only the shared modules of gymckpt.cli, never another command's;
+    the shared ones use no command module; only the group (``_group``) gathers the commands."""
+    cli = PACKAGE / "cli"
+    modules = {path.stem for path in cli.glob("*.py")}
+    assert modules == {"__init__", "_group", *CLI_SHARED, *CLI_COMMANDS}, sorted(modules)
+    for name in (*CLI_SHARED, *CLI_COMMANDS):
+        used = {module.split(".")[2] for module in _imports(cli / f"{name}.py") if module.startswith("gymckpt.cli.")}
+        assert used <= set(CLI_SHARED) - {name}, f"gymckpt/cli/{name}.py imports {sorted(used)}"
+    assert {module for module in _imports(cli / "__init__.py")} == {"gymckpt.cli._group"}

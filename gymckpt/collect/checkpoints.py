@@ -5,9 +5,12 @@ published once its ``gym/checkpoint.json`` exists, whose ``extra`` carries the
 collection's own record: ``run_id``, ``created_at``, ``continued`` and ``restarted`` (each
 ``[{"rollout_id", "attempt"}]``, the reference's shapes), and ``dispatched`` (rollout id →
 the highest attempt sent). ``<root>/LATEST`` is replaced (atomically) after each publish.
-Older checkpoints beyond the ones kept are deleted only after that, index first, so a
-crash mid-delete leaves a directory that is no longer published: resume never picks it,
-and the next publish removes it.
+Older checkpoints beyond the ones kept are deleted only after that, by
+:func:`~gymckpt.store.pruning.delete_checkpoint`: unpublished first in one step (on a
+filesystem, an atomic rename to a hidden ``.gymckpt-pruning-<id>-<hex>`` directory; on object
+storage, its index deleted first), then deleted. A ``gymckpt verify`` running meanwhile
+reports the checkpoint as vanished (a warning), never as damaged; a crash mid-delete leaves a
+hidden directory or an unpublished one, which resume never picks and the next prune removes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from gymckpt.errors import InvalidCheckpointState
 from gymckpt.store import open_store
 from gymckpt.store.layout import index_path
+from gymckpt.store.pruning import delete_checkpoint, remove_pruning_leftovers
 
 __all__ = ["CheckpointRoot", "PublishedCheckpoint", "new_checkpoint_id"]
 
@@ -119,16 +123,17 @@ class CheckpointRoot:
     def prune(self, keep: int, current: str) -> list[str]:
         """Delete published checkpoints beyond the ``keep`` newest, and unpublished ones but ``current``.
 
-        A published one loses its index first. Returns the ids deleted.
+        Each is unpublished in one step before its files go (module docstring); what an earlier
+        prune's crash left half deleted goes first. Returns the ids deleted.
         """
+        remove_pruning_leftovers(self.backend)
         published = [item.checkpoint_id for item in self.published()]
         kept = set(published[-keep:]) | {current} if keep > 0 else {current}
         deleted = []
         for checkpoint_id in self._ids():
             if checkpoint_id in kept:
                 continue
-            self.backend.delete(index_path(checkpoint_id))
-            self.backend.delete_tree(checkpoint_id)
+            delete_checkpoint(self.backend, checkpoint_id)
             deleted.append(checkpoint_id)
         return deleted
 

@@ -33,7 +33,7 @@ from gymckpt.collect.dataset import Row, load_rows
 from gymckpt.collect.journal import DispatchLog, PriorRun, ResultsFile, dispatch_log_path, ended
 from gymckpt.collect.progress import CollectProgress
 from gymckpt.control.coordination import Coordinator, runs_to_await
-from gymckpt.errors import CollectionExists, CoordinationError, GymckptError
+from gymckpt.errors import CollectionExists, CoordinationError, GymckptError, ReplyTooLarge
 from gymckpt.identity import capture_key, split_capture_key
 
 if TYPE_CHECKING:
@@ -373,7 +373,8 @@ class Collector:
             reply = await self._post_run(key, row.task)
         except asyncio.CancelledError:
             raise
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:  # ValueError: a reply not JSON
+        # ValueError: a reply not JSON; ReplyTooLarge: one beyond transport.data_reply_limit(), read no further
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, ReplyTooLarge) as exc:
             reply = {"failure": {"failure_reason": f"/run failed: {exc or type(exc).__name__}", "terminal": False}}
         finally:
             self.in_flight.pop(row.rollout_id, None)
@@ -387,7 +388,7 @@ class Collector:
             # never sent twice on a dropped connection: a second /run of a running episode is refused
             sent = {"episode_id": key, "task": task}
             async with transport.request(self._client(), "POST", url, resend=False, json=sent) as response:
-                body = await response.json(content_type=None)
+                body = await transport.read_bounded_json(response, transport.data_reply_limit())
             if not isinstance(body, dict):
                 return {"failure": {"failure_reason": f"/run answered {response.status}: {body!r}", "terminal": False}}
             error = body.get("error")

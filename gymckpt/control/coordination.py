@@ -18,6 +18,12 @@ On the wire the Coordinator speaks the reference stack's shapes: episode ids go 
 forget counts or lists, errors in the ``{"error": {"code", "detail"}}`` envelope or
 FastAPI's bare ``{"detail": [...]}`` 422.
 
+A restore takes only a published checkpoint, exactly as published: the Coordinator reads
+``gym/checkpoint.json`` and sends each server that checks it its manifest's digest
+(:mod:`gymckpt.control.restore_source`). Every reply is read within its route's bound
+(:data:`~gymckpt.control.replies.CONTROL_REPLY_LIMITS`); a longer one is that server's
+failure (:class:`~gymckpt.errors.ReplyTooLarge`).
+
 Every fan-out that fails on some servers raises one :class:`~gymckpt.errors.CoordinationError`
 naming each of them; its ``causes`` hold the typed per-server errors (the class of each
 server's wire code, with ``server``, ``wire_code`` and ``http_status`` attributes).
@@ -38,7 +44,16 @@ from opentelemetry.trace import SpanKind
 
 from gymckpt import errors, telemetry, transport
 from gymckpt.control.models import Phase, PrepareReply
-from gymckpt.control.replies import ParticipantCommit, ParticipantRestore, counter, failed, parser, reply_error
+from gymckpt.control.replies import (
+    CONTROL_REPLY_LIMITS,
+    ParticipantCommit,
+    ParticipantRestore,
+    counter,
+    failed,
+    parser,
+    reply_error,
+)
+from gymckpt.control.restore_source import RESTORE_CHECKS, read_published, restore_bodies
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
 from gymckpt.identity import EpisodeId, episode_key, episode_object
@@ -47,6 +62,8 @@ from gymckpt.store.codec import decode_document
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+
+    from gymckpt.store import CheckpointIndex
 
 __all__ = [
     "DEFAULT_PROBE_BACKOFF",
@@ -126,6 +143,8 @@ class ParticipantInfo:
     url: str
     kind: str
     instance: str
+    #: the optional restore fields the server checks (its status's ``restore_checks``; none: a reference server)
+    restore_checks: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -261,7 +280,12 @@ class Coordinator:
     probe_backoff, probe_backoff_max:
         The pause after the first failed try; it doubles after each further one, up to the cap.
     storage_options:
-        For :meth:`publish`, which writes ``checkpoint.json`` through the store.
+        For :meth:`publish` and :meth:`restore`, which write and read ``checkpoint.json`` through the store.
+    reply_limits:
+        Reply bounds in bytes by operation, overriding
+        :data:`~gymckpt.control.replies.CONTROL_REPLY_LIMITS` (a model whose episodes stage very
+        many keys may need a larger ``commit``). A longer reply fails that server's call with
+        :class:`~gymckpt.errors.ReplyTooLarge`, read no further.
     """
 
     def __init__(
@@ -276,6 +300,7 @@ class Coordinator:
         probe_backoff: float = DEFAULT_PROBE_BACKOFF,
         probe_backoff_max: float = DEFAULT_PROBE_BACKOFF_MAX,
         storage_options: dict[str, Any] | None = None,
+        reply_limits: Mapping[str, int] | None = None,
     ) -> None:
         if connector_limit < 0 or connector_limit_per_host < 0:
             raise ValueError("control connector limits must be >= 0")
@@ -289,6 +314,11 @@ class Coordinator:
         self.probe_backoff = probe_backoff
         self.probe_backoff_max = probe_backoff_max
         self.storage_options = dict(storage_options or {})
+        for op, limit in (reply_limits or {}).items():
+            if op not in CONTROL_REPLY_LIMITS or type(limit) is not int or limit <= 0:
+                raise ValueError(f"reply_limits: {op!r}: {limit!r} is not a positive byte count of a control route")
+        #: each operation's reply bound in bytes
+        self.reply_limits = {**CONTROL_REPLY_LIMITS, **(reply_limits or {})}
         #: the participants the last discover found, by URL
         self.kinds: dict[str, ParticipantInfo] = {}
         #: servers the last discover found to be no participant (status answered 404)
@@ -377,8 +407,12 @@ class Coordinator:
                     timeout=client_timeout,
                     headers=headers,
                 ) as response:
-                    raw = await response.read()
                     status = response.status
+                    raw = await transport.read_bounded(response, self.reply_limits[op])
+            except errors.ReplyTooLarge as exc:
+                exc.server = url  # type: ignore[attr-defined]
+                exc.http_status = exc.downstream_status  # type: ignore[attr-defined]
+                raise
             except TimeoutError as exc:
                 raise failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
             except aiohttp.ClientError as exc:
@@ -398,16 +432,17 @@ class Coordinator:
         self,
         op: str,
         urls: Iterable[str],
-        encoded: bytes,
+        encoded: bytes | Mapping[str, bytes],
         deadline_ts: float,
         parse: Callable[[str, str, dict[str, Any]], T] | None = None,
     ) -> dict[str, T]:
-        """The same encoded body to every server at once; after all settle, one CoordinationError for every failure."""
+        """The same encoded body (or each server's own) to every server at once; then one CoordinationError for all."""
         urls = list(urls)
         timeout = deadline_ts - time.time() + _REPLY_SLACK
 
         async def one(url: str) -> Any:
-            reply = await self._call(url, op, encoded, timeout=timeout)
+            body = encoded if isinstance(encoded, bytes) else encoded[url]
+            reply = await self._call(url, op, body, timeout=timeout)
             return reply if parse is None else parse(url, op, reply)
 
         outcomes = await asyncio.gather(*(one(url) for url in urls), return_exceptions=True)
@@ -492,7 +527,9 @@ class Coordinator:
             kind = status.get("kind")
             if kind not in KIND_ORDER:
                 raise failed(url, f"unknown participant kind {kind!r}")
-            return ParticipantInfo(url, kind, str(status.get("instance")))
+            checks = status.get("restore_checks")
+            checked = frozenset(name for name in checks if isinstance(name, str)) if isinstance(checks, list) else ()
+            return ParticipantInfo(url, kind, str(status.get("instance")), frozenset(checked))
         raise AssertionError("unreachable: the last try returns or raises")  # pragma: no cover
 
     async def _pause(self, seconds: float) -> None:
@@ -625,9 +662,17 @@ class Coordinator:
     ) -> dict[str, ParticipantRestore]:
         """Restore on every server, all or nothing; ``episode_ids`` are the checkpointed attempts.
 
-        On any failure the replacement attempts are retired everywhere, every participant
-        is resumed (both by ``max(deadline_ts, now + 30 s)``), and the restore's error is
-        raised (a cleanup error is only logged).
+        Only a published checkpoint is restored, exactly as published: ``gym/checkpoint.json``
+        is read first (with :attr:`storage_options`) and every manifest it lists must still
+        hash as listed (:func:`~gymckpt.control.restore_source.read_published`; no index is
+        :class:`~gymckpt.errors.CheckpointUnpublished`), and each participant must be listed.
+        A server that checks them (its status lists ``restore_checks``) is sent its manifest's
+        digest and the checkpoint's id, and refuses a manifest replaced since. Either way
+        nothing is sent and nothing installed when the checkpoint is not as published.
+
+        On any failure of a server the replacement attempts are retired everywhere, every
+        participant is resumed (both by ``max(deadline_ts, now + 30 s)``), and the restore's
+        error is raised (a cleanup error is only logged).
         """
         with telemetry.operation("coordinate.restore", **self._traced(checkpoint_id)) as op:
             scope = _scope_keys(episode_ids)
@@ -639,11 +684,23 @@ class Coordinator:
             }
             urls = self._participants()
             op.set(episodes=len(scope))
+            index = await asyncio.to_thread(self._read_published, checkpoint_dir)
+            participants = {url: (self.kinds[url].kind, self.kinds[url].instance) for url in urls}
+            checking = {url for url in urls if self.kinds[url].restore_checks.issuperset(RESTORE_CHECKS)}
+            bodies = restore_bodies(participants, checking, index, _encode(body))
             try:
-                return await self._fan_out("restore", urls, _encode(body), deadline_ts, parser(ParticipantRestore))
+                return await self._fan_out("restore", urls, bodies, deadline_ts, parser(ParticipantRestore))
             except errors.CoordinationError:
                 await self._undo_restore(checkpoint_id, deadline_ts, scope)
                 raise
+
+    def _read_published(self, checkpoint_dir: str) -> CheckpointIndex:
+        """``gym/checkpoint.json`` of ``checkpoint_dir``, its manifests checked (blocking: run off the loop)."""
+        store = open_store(checkpoint_dir, **self.storage_options)
+        try:
+            return read_published(store)
+        finally:
+            store.close()
 
     async def _undo_restore(self, checkpoint_id: str, deadline_ts: float, scope: list[str]) -> None:
         replacements = [EpisodeId.from_capture_key(key).next_attempt().capture_key for key in scope]

@@ -75,6 +75,8 @@ RolloutId = Annotated[
 #: an episode id on the wire: the reference's ``{"rollout_id", "attempt"}`` object or a capture key; held as the key
 EpisodeRef = Annotated[CaptureKey, BeforeValidator(_episode_key)]
 CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+#: a sha256 digest as gym/checkpoint.json lists it: 64 lowercase hex digits
+Sha256Hex = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 
 
 class _Strict(BaseModel):
@@ -100,8 +102,23 @@ class CommitRequest(ControlRequest):
 
 
 class RestoreRequest(ControlRequest):
+    """A restore; the two optional fields name what was published (gymckpt's own, SPEC C10).
+
+    Without them (the reference's controller sends neither), the server reads
+    ``gym/checkpoint.json`` itself where one exists.
+    """
+
     checkpoint_dir: CheckpointDir
     episode_ids: list[EpisodeRef] = Field(description="The checkpointed attempts; records return under attempt + 1.")
+    manifest_sha256: Sha256Hex | None = Field(
+        default=None,
+        description="The sha256 of this participant's manifest bytes as gym/checkpoint.json lists it; "
+        "a manifest that hashes otherwise is refused (invalid_checkpoint_state) and nothing is installed.",
+    )
+    source_checkpoint_id: CheckpointId | None = Field(
+        default=None,
+        description="The checkpoint id gym/checkpoint.json names; a manifest of another id is refused.",
+    )
 
 
 class RetireRequest(ControlRequest):
@@ -186,6 +203,11 @@ class StatusReply(BaseModel):
     lease_expires_at: float | None
     retired_rollouts: int
     report: PrepareReport
+    restore_checks: list[str] = Field(
+        default_factory=list,
+        description="The optional restore fields this server checks (gymckpt's: manifest_sha256, "
+        "source_checkpoint_id); a controller sends them only to a server that lists them.",
+    )
 
 
 class ErrorDetail(BaseModel):

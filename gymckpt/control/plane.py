@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt import telemetry
-from gymckpt.control.allowed_roots import check_allowed
+from gymckpt.control.allowed_roots import open_allowed_store
 from gymckpt.control.models import (
     CommitReply,
     ForgetReply,
@@ -30,6 +30,7 @@ from gymckpt.control.models import (
     RetireReply,
     StatusReply,
 )
+from gymckpt.control.restore_source import RESTORE_CHECKS, expected_manifest
 from gymckpt.errors import (
     CheckpointConflict,
     ControlError,
@@ -45,7 +46,7 @@ from gymckpt.errors import (
     UnsupportedStorage,
 )
 from gymckpt.identity import AttemptsUpTo, capture_key, first_keys, split_capture_key
-from gymckpt.store import WriteStop, open_store
+from gymckpt.store import WriteStop
 from gymckpt.store.codec import EncodedRecord
 from gymckpt.store.layout import check_name
 
@@ -94,7 +95,8 @@ class _Checkpoint:
 @dataclass
 class _Restore:
     checkpoint_id: str
-    args: tuple[str, tuple[str, ...]]
+    #: directory, sorted scope, and the manifest digest and checkpoint id the request expects
+    args: tuple[str, tuple[str, ...], str | None, str | None]
     task: asyncio.Task[RestoreReply]
 
 
@@ -202,9 +204,8 @@ class ControlPlane:
 
         A local directory is opened at the real path ``allowed_roots`` was checked against.
         """
-        location = check_allowed(checkpoint_dir, self.allowed_roots)
         try:
-            return open_store(location, **self.storage_options)
+            return open_allowed_store(checkpoint_dir, self.allowed_roots, **self.storage_options)
         except GymckptError:
             raise
         except Exception as exc:
@@ -251,6 +252,7 @@ class ControlPlane:
             lease_expires_at=self.lease_expires_at,
             retired_rollouts=len(self.marks),
             report=self._report(),
+            restore_checks=list(RESTORE_CHECKS),
             **self.participant.status_extra(),
         )
 
@@ -568,11 +570,16 @@ class ControlPlane:
         """Read, verify and install the scoped records under their next attempt."""
         self._loop = asyncio.get_running_loop()
         self._check_not_stale(request.checkpoint_id)
-        args = (request.checkpoint_dir, tuple(sorted(set(request.episode_ids))))
+        args = (
+            request.checkpoint_dir,
+            tuple(sorted(set(request.episode_ids))),
+            request.manifest_sha256,
+            request.source_checkpoint_id,
+        )
         previous = self._restore
         if previous is not None and previous.checkpoint_id == request.checkpoint_id and not previous.task.done():
             if previous.args != args:
-                raise CheckpointConflict("this restore is running with another directory or scope")
+                raise CheckpointConflict("this restore is running with another directory, scope or expected manifest")
             return await self._within(request.deadline_ts, asyncio.shield(previous.task), "the restore")
         if previous is not None and previous.task.done() and _succeeded(previous.task):
             if previous.checkpoint_id == request.checkpoint_id and previous.args == args:
@@ -606,7 +613,8 @@ class ControlPlane:
             self.marks.mark(key)  # the captured attempt is replaced by the next one: refuse it from now on
         self.phase = Phase.RESTORED
         self._extend_lease(request.deadline_ts)
-        task = _spawn(self._run_restore(request.checkpoint_id, store, list(args[1])), "gymckpt-restore")
+        expected = (request.manifest_sha256, request.source_checkpoint_id)
+        task = _spawn(self._run_restore(request.checkpoint_id, store, list(args[1]), expected), "gymckpt-restore")
         self._restore = _Restore(request.checkpoint_id, args, task)
         return await self._within(request.deadline_ts, asyncio.shield(task), "the restore")
 
@@ -620,8 +628,14 @@ class ControlPlane:
         self.phase = Phase.IDLE
         self.lease_expires_at = None
 
-    async def _run_restore(self, checkpoint_id: str, store: CheckpointStore, scope: list[str]) -> RestoreReply:
-        """Close admission, read and verify in one pass off the loop, install; on failure reopen."""
+    async def _run_restore(
+        self, checkpoint_id: str, store: CheckpointStore, scope: list[str], expected: tuple[str | None, str | None]
+    ) -> RestoreReply:
+        """Close admission, read and verify in one pass off the loop, install; on failure reopen.
+
+        ``expected``: the manifest digest and checkpoint id the request names (None: read from
+        the index where one exists, :mod:`gymckpt.control.restore_source`).
+        """
         participant = self.participant
         next_keys = {key: capture_key(*_next(key)) for key in scope}
         installed_scope = sorted(next_keys.values())
@@ -630,7 +644,7 @@ class ControlPlane:
                 await participant.close_admission(checkpoint_id)
                 with telemetry.step("read") as step:
                     manifest, records = await asyncio.to_thread(
-                        _read_scope, store, participant.kind, participant.instance, set(scope), next_keys
+                        _read_scope, store, participant.kind, participant.instance, set(scope), next_keys, expected
                     )
                     step.set(records=len(records), bytes=manifest.records_bytes)
             finally:
@@ -772,10 +786,23 @@ def _next(key: str) -> tuple[str, int]:
 
 
 def _read_scope(
-    store: CheckpointStore, kind: str, instance: str, scope: set[str], next_keys: dict[str, str]
+    store: CheckpointStore,
+    kind: str,
+    instance: str,
+    scope: set[str],
+    next_keys: dict[str, str],
+    expected: tuple[str | None, str | None],
 ) -> tuple[Manifest, list[dict[str, Any]]]:
-    """The manifest and the scope's records (verified in one pass), keyed by their next attempt."""
+    """The manifest and the scope's records (verified in one pass), keyed by their next attempt.
+
+    The manifest must be the published one (:func:`~gymckpt.control.restore_source.expected_manifest`)
+    before any record is read.
+    """
+    manifest_sha256, checkpoint_id = expected
+    wanted = expected_manifest(store, kind, instance, manifest_sha256=manifest_sha256, checkpoint_id=checkpoint_id)
     manifest = store.read_manifest("", kind=kind, instance=instance)
+    if wanted is not None:
+        wanted.check(manifest)
     records = []
     for record in store.read_records(manifest, scope=scope):
         record["episode_id"] = next_keys[record["episode_id"]]

@@ -4,6 +4,11 @@ A reply that does not fit its model, and every non-2xx reply, becomes a typed er
 carrying ``server``, ``wire_code`` (None without an ``{"error": {"code"}}`` envelope) and
 ``http_status``: the class of its wire code, :class:`~gymckpt.errors.InvalidRequest` for
 FastAPI's bare ``{"detail": [...]}`` 422, :class:`~gymckpt.errors.ServerCallFailed` otherwise.
+
+Every reply is read within its route's bound (:data:`CONTROL_REPLY_LIMITS`, read by
+:func:`gymckpt.transport.read_bounded`); a longer one fails that server's call with
+:class:`~gymckpt.errors.ReplyTooLarge`. The bounds are sized for :data:`REPLY_EPISODES`
+episodes of the longest ids, from what each route lists per episode.
 """
 
 from __future__ import annotations
@@ -14,13 +19,61 @@ import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
 from gymckpt import errors
-from gymckpt.identity import episode_key
-from gymckpt.store.layout import MANIFEST_NAME
+from gymckpt.identity import MAX_ROLLOUT_ID_LENGTH, episode_key
+from gymckpt.store.layout import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["ParticipantCommit", "ParticipantRestore", "ReplyKey", "counter", "failed", "parser", "reply_error"]
+__all__ = [
+    "COMMIT_EPISODE_BYTES",
+    "CONTROL_REPLY_LIMITS",
+    "EPISODE_BYTES",
+    "REPLY_BASE_BYTES",
+    "REPLY_EPISODES",
+    "ParticipantCommit",
+    "ParticipantRestore",
+    "ReplyKey",
+    "counter",
+    "failed",
+    "parser",
+    "reply_error",
+]
+
+#: the episodes a control reply's bound is sized for: twice the 16,384 rollouts a trainer keeps in flight
+REPLY_EPISODES = 32_768
+#: one episode in one list of a reply: the longest capture key (MAX_ROLLOUT_ID_LENGTH + 11 characters)
+#: quoted, with its comma, or the reference's ``{"rollout_id", "attempt"}`` object of it
+EPISODE_BYTES = MAX_ROLLOUT_ID_LENGTH + 64
+#: a reply's fixed part: its other fields, a report's counts, a participant's small extras, an error's detail
+REPLY_BASE_BYTES = 1 << 20
+#: an episode's share of a commit reply besides the manifest: its key in ``episode_ids`` and in
+#: ``staging_keys_by_episode``, and its model records' staged keys, listed there and in ``staging_keys``
+COMMIT_EPISODE_BYTES = 4096
+
+
+def _lists(count: int) -> int:
+    """A reply's fixed part and ``count`` lists that may name every episode (restarts are never capped)."""
+    return REPLY_BASE_BYTES + count * REPLY_EPISODES * EPISODE_BYTES
+
+
+#: each control route's reply bound in bytes, from the lists it may carry
+CONTROL_REPLY_LIMITS: dict[str, int] = {
+    # report.restarts, report.blockers (at most 100), restored_pending, restored_generation_cuts
+    "status": _lists(4),
+    # report.restarts, report.blockers
+    "prepare": _lists(2),
+    "renew": REPLY_BASE_BYTES,
+    "resume": REPLY_BASE_BYTES,
+    # the manifest object (as the store bounds a manifest), then every episode's own share
+    "commit": REPLY_BASE_BYTES + MAX_MANIFEST_BYTES + REPLY_EPISODES * COMMIT_EPISODE_BYTES,
+    # restored
+    "restore": _lists(1),
+    # retired
+    "retire": _lists(1),
+    # forgotten (rollout ids)
+    "forget": _lists(1),
+}
 
 
 def _reply_key(value: object) -> object:

@@ -1,10 +1,20 @@
-"""The control routes under ``/ng-control/v1/checkpoint/`` and the one error handler."""
+"""The control routes under ``/ng-control/v1/checkpoint/`` and the one error handler.
+
+Every control route refuses a call without the bearer token before anything reads its body,
+however the call reached it: the route class itself compares the ``Authorization`` header
+(:class:`_ControlRoute`, constant time) before it hands the request to FastAPI's handler,
+which reads and decodes the body. A middleware that rewrites the path (the rollout prefix,
+``/ng-rollout/<key>/ng-control/v1/checkpoint/…``, which stays reachable, as the reference's
+routes are: a prefix names an episode and grants nothing) or reorders the stack cannot
+bypass it. :class:`ControlAuthMiddleware` refuses early as well, also for control paths no
+route serves, with or without the prefix.
+"""
 
 from __future__ import annotations
 
 import inspect
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,6 +44,7 @@ from gymckpt.control.models import (
 )
 from gymckpt.control.responses import error_response, handle_gymckpt_error
 from gymckpt.errors import GymckptError, InvalidRequest, Unauthorized
+from gymckpt.identity import ROLLOUT_PREFIX
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -43,7 +54,14 @@ if TYPE_CHECKING:
 
     from gymckpt.control.plane import ControlPlane
 
-__all__ = ["CONTROL_PREFIX", "ControlAuthMiddleware", "control_router", "install_control", "install_error_handlers"]
+__all__ = [
+    "CONTROL_PREFIX",
+    "ControlAuthMiddleware",
+    "control_router",
+    "install_control",
+    "install_error_handlers",
+    "is_control_path",
+]
 
 CONTROL_PREFIX = "/ng-control/v1/checkpoint"
 
@@ -61,11 +79,25 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 _BEARER = Depends(HTTPBearer(auto_error=False, description="The checkpoint block's control_auth_token."))
 
 
+def is_control_path(path: str) -> bool:
+    """True for a path a control route would serve: under ``CONTROL_PREFIX``, behind a rollout prefix or not."""
+    if path.startswith(ROLLOUT_PREFIX):
+        # the path after the capture key, whether the key is valid or not (an invalid one is a 400 anyway)
+        path = "/" + path[len(ROLLOUT_PREFIX) :].partition("/")[2]
+    return path == CONTROL_PREFIX or path.startswith(CONTROL_PREFIX + "/")
+
+
+def _authorization(scope: Any) -> bytes:
+    """The request's first ``Authorization`` header value (empty when there is none)."""
+    return next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+
+
 class ControlAuthMiddleware:
     """Refuse control calls without the bearer token before anything reads their body.
 
-    The route dependency checks again (and documents the scheme); this middleware makes a
-    missing token a 401 even when the body is not JSON.
+    The route class checks again (so no path rewriting or middleware order can bypass the
+    check); this middleware also makes a missing token a 401 for a control path no route
+    serves, with or without a rollout prefix.
     """
 
     def __init__(self, app: Any, token: str) -> None:
@@ -73,12 +105,25 @@ class ControlAuthMiddleware:
         self.expected = f"Bearer {token}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX + "/"):
-            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-            if not secrets.compare_digest(given, self.expected):
-                await error_response(Unauthorized("missing or wrong bearer token"))(scope, receive, send)
-                return
+        if (
+            scope["type"] == "http"
+            and is_control_path(scope["path"])
+            and not secrets.compare_digest(_authorization(scope), self.expected)
+        ):
+            await _refusal()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+def _refusal() -> Response:
+    """The 401 of a control call without the token, sent before its body is read.
+
+    The connection stays open: uvicorn discards the rest of the body as it arrives (no memory
+    grows), and the body deadline (:mod:`gymckpt.stack.request_deadlines`) closes it if the
+    client sends it too slowly. Closing at once could reset the connection before the client
+    read the 401.
+    """
+    return error_response(Unauthorized("missing or wrong bearer token"))
 
 
 class _OrjsonRequest(Request):
@@ -90,17 +135,29 @@ class _OrjsonRequest(Request):
         return self._json
 
 
-class _OrjsonRoute(APIRoute):
-    """A control route reading its JSON body with orjson (the standard library's decoder took ~40 ms a
-    call for a scope of 12,000 episodes)."""
+class _ControlRoute(APIRoute):
+    """A control route: the bearer token is checked before the body is read, and the JSON body is
+    decoded with orjson (the standard library's decoder took ~40 ms a call for a scope of 12,000
+    episodes).
+
+    :func:`control_router` makes a subclass per router that sets :attr:`expected_authorization`.
+    """
+
+    expected_authorization: ClassVar[bytes] = b""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        expected = self.expected_authorization
+        if not expected:
+            raise ValueError("a control route needs the expected Authorization value")
 
-        async def orjson_handler(request: Request) -> Response:
+        async def authorized_handler(request: Request) -> Response:
+            # before the handler, which reads and decodes the body: whatever path reached this route
+            if not secrets.compare_digest(_authorization(request.scope), expected):
+                return _refusal()
             return await handler(_OrjsonRequest(request.scope, request.receive))
 
-        return orjson_handler
+        return authorized_handler
 
 
 def control_router(plane: ControlPlane, token: str) -> APIRouter:
@@ -114,11 +171,12 @@ def control_router(plane: ControlPlane, token: str) -> APIRouter:
         if credentials is None or not secrets.compare_digest(given, expected):
             raise Unauthorized("missing or wrong bearer token")
 
+    route_class = type("_AuthorizedControlRoute", (_ControlRoute,), {"expected_authorization": b"Bearer " + expected})
     router = APIRouter(
         prefix=CONTROL_PREFIX,
         tags=["checkpoint control"],
-        dependencies=[Depends(authorize)],
-        route_class=_OrjsonRoute,
+        dependencies=[Depends(authorize)],  # checked by the route class already; documents the scheme
+        route_class=route_class,
     )
     kind, instance = _identity(plane)
 

@@ -3,7 +3,7 @@
 No account is needed: moto's server runs on 127.0.0.1 and a free port, the demo creates a
 bucket there, and every Gym server (and the coordinator, and ``verify``) gets the endpoint
 and dummy credentials through ``storage_options``. The endpoint stops when the demo ends.
-Needs moto's server and s3fs (``pip install 'gymckpt[demo-s3]'``); without them the demo
+Needs moto's server and s3fs (``pip install -e '.[demo-s3]' in the gymckpt clone``); without them the demo
 stops before it starts anything, with a one-line error naming that extra.
 """
 
@@ -27,7 +27,7 @@ __all__ = ["DEMO_BUCKET", "S3_EXTRA", "require_s3_packages", "run_s3_demo", "run
 #: the bucket ``gymckpt demo --store s3`` creates on its embedded endpoint
 DEMO_BUCKET = "gymckpt-demo"
 #: the install command of the extra that brings what ``--store s3`` needs
-S3_EXTRA = "pip install 'gymckpt[demo-s3]'"
+S3_EXTRA = "pip install -e '.[demo-s3]' in the gymckpt clone"
 #: what the embedded endpoint imports (moto's server and werkzeug), then the store's S3 filesystem
 _S3_MODULES = (
     "moto",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import install_control
-from gymckpt.control.settings import CheckpointSettings, GymckptSettings
+from gymckpt.control.settings import CheckpointSettings, GymckptSettings, checkpointing_summary
 from gymckpt.participants.rollout import RolloutPrefixMiddleware
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from gymckpt.control.participant import Participant
 
 __all__ = [
+    "STARTUP_LINE_ENV",
     "SeveralWorkersError",
     "checkpoint_block",
     "create_control_plane",
@@ -29,6 +31,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("gymckpt.participants")
+
+#: set (to anything) by a launcher that logs the server's startup line itself, with the address it
+#: listens on (``gymckpt serve``): :func:`install_checkpointing` then logs none of its own
+STARTUP_LINE_ENV = "GYMCKPT_STARTUP_LINE_LOGGED"
 
 
 class SeveralWorkersError(RuntimeError):
@@ -113,8 +119,13 @@ def install_checkpointing(
     With checkpointing off (or no settings) nothing is installed and None is returned, so
     the server behaves exactly as it does without gymckpt. ``plane`` is one made by
     :func:`create_control_plane` (what runs once per server); without it, one is made here.
+
+    Either way one INFO line says whether checkpointing is on, and with which allowed roots
+    (never the token), unless the launcher logs that itself (:data:`STARTUP_LINE_ENV`).
     """
     block = checkpoint_block(settings)
+    if not os.environ.get(STARTUP_LINE_ENV):
+        logger.info("%s: %s", app.title, checkpointing_summary(block))
     if block is None:
         return None
     if plane is None:

@@ -65,7 +65,12 @@ def episode_context(episode: EpisodeId | None) -> Iterator[EpisodeId | None]:
 
 
 class RolloutPrefixMiddleware:
-    """Strip ``/ng-rollout/<capture key>`` from the path and set the request's episode."""
+    """Strip ``/ng-rollout/<capture key>`` from the path and set the request's episode.
+
+    A control route stays reachable behind the prefix (the prefix grants nothing): the
+    route itself refuses a call without the token before its body is read
+    (:mod:`gymckpt.control.routes`), whatever path rewriting brought the call there.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -10,12 +10,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 import orjson
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gymckpt import transport
 from gymckpt.control.responses import handle_gymckpt_error
-from gymckpt.control.settings import CheckpointSettings, GymckptSettings, read_yaml_file
-from gymckpt.errors import DownstreamError, GymckptError
+from gymckpt.control.settings import (
+    CheckpointSettings,
+    GymckptSettings,
+    did_you_mean,
+    misspellings,
+    read_yaml_file,
+    settings_problems,
+)
+from gymckpt.errors import DownstreamError, GymckptError, SettingsError
 from gymckpt.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
@@ -63,20 +70,40 @@ class ServerConfig(BaseModel):
 def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None = None) -> C:
     """Read ``cls`` from a YAML file or dict; ``GYMCKPT_CHECKPOINT__…`` variables override the block.
 
-    A file YAML cannot parse raises ``ValueError("<file>: invalid YAML at line L, column C: …")``.
+    Every mistake is one :class:`~gymckpt.errors.SettingsError` (a ``ValueError``) with a
+    ``file: key.path: why`` line per problem: an unknown key (a did-you-mean when it looks
+    like one of ``cls``'s: ``chekpoint``, ``Checkpoint``), a bad value, a missing field. A
+    file YAML cannot parse is ``"<file>: invalid YAML at line L, column C: …"``.
     """
+    path = ""
     if source is None:
         data: dict[str, Any] = {}
     elif isinstance(source, dict):
         data = dict(source)
     else:
+        path = str(source)
         loaded = read_yaml_file(source) or {}
         if not isinstance(loaded, dict):
-            raise ValueError(f"{source}: a server config must be a mapping")
+            raise SettingsError("a server config must be a mapping", path=path)
         data = loaded
-    block = GymckptSettings(**({"checkpoint": data["checkpoint"]} if "checkpoint" in data else {})).checkpoint
-    data["checkpoint"] = block
-    return cls.model_validate(data)
+    # a key that looks like a field (even where the class allows others) is refused, never ignored
+    typos = misspellings(data, cls.model_fields)
+    problems = [(key, did_you_mean(meant)) for key, meant in typos.items()]
+    data = {key: value for key, value in data.items() if key not in typos}
+    given = {"checkpoint": data["checkpoint"]} if "checkpoint" in data else {}
+    try:
+        data["checkpoint"] = GymckptSettings(**given).checkpoint
+    except ValidationError as exc:
+        problems.extend(settings_problems(exc, model=GymckptSettings))
+        data.pop("checkpoint", None)  # its problems are listed; the rest is checked without it
+    try:
+        config = cls.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(settings_problems(exc, model=cls, given_as=set(typos.values())))
+        raise SettingsError(problems, path=path) from None
+    if problems:
+        raise SettingsError(problems, path=path)
+    return config
 
 
 class Downstream:
@@ -103,15 +130,28 @@ class Downstream:
     :meth:`forget_episode` drops one's when it ends. A call also carries the episode's cookies
     of the other servers in :data:`RELAY_HEADER`, so the server called (an agent) reaches the
     same workers when it calls them for the episode (:class:`CookieRelayMiddleware` takes them).
+
+    A reply is read up to ``reply_limit`` bytes (None: :func:`~gymckpt.transport.data_reply_limit`);
+    a longer one fails that call with :class:`~gymckpt.errors.ReplyTooLarge` (a
+    :class:`DownstreamError`), read no further.
     """
 
     MAX_EPISODE_COOKIES = 65_536
 
     def __init__(
-        self, *, checkpointing: bool, connector_limit: int | None = None, connector_limit_per_host: int | None = None
+        self,
+        *,
+        checkpointing: bool,
+        connector_limit: int | None = None,
+        connector_limit_per_host: int | None = None,
+        reply_limit: int | None = None,
     ) -> None:
         self.checkpointing = checkpointing
         self._limits = (connector_limit, connector_limit_per_host)
+        if reply_limit is not None and reply_limit <= 0:
+            raise ValueError(f"reply_limit must be a positive number of bytes, not {reply_limit}")
+        #: the bound of every reply read, in bytes
+        self.reply_limit = transport.data_reply_limit() if reply_limit is None else reply_limit
         #: the data pool (False) and the awaited lane (True)
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
         #: capture key → server base URL → the session cookie's value
@@ -213,9 +253,9 @@ class Downstream:
                 stamped = response.cookies.get(COOKIE_NAME)
                 if stamped is not None and episode is not None and stamped.value:
                     self._keep_cookie(base, episode, stamped.value)
-                raw = await response.read()
                 status = response.status
                 headers = {name.lower(): value for name, value in response.headers.items()}
+                raw = await transport.read_bounded(response, self.reply_limit)
         except aiohttp.ClientError as exc:
             raise DownstreamError(f"{url} gave no reply: {type(exc).__name__}: {exc}", url=url) from exc
         if status >= 400:

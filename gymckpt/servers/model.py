@@ -483,7 +483,7 @@ class GenerationCutClient:
         async with transport.request(
             self._client(), "POST", self.url, resend=True, json=body, headers=self._headers()
         ) as response:
-            raw = await response.read()
+            raw = await transport.read_bounded(response, transport.data_reply_limit())
             if response.status >= 400:
                 raise DownstreamError.answered(self.url, response.status, raw)
         receipt = json.loads(raw)
@@ -505,7 +505,7 @@ class GenerationCutClient:
             json={"checkpoint_id": checkpoint_id},
             headers=self._headers(),
         ) as response:
-            raw = await response.read()
+            raw = await transport.read_bounded(response, transport.data_reply_limit())
             if response.status >= 400:
                 raise DownstreamError.answered(self.url + "/release", response.status, raw)
 

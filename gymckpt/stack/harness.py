@@ -231,7 +231,7 @@ class RolloutHarness:
             found = await gym.discover()
             if found.ok:
                 async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
-                    await response.read()
+                    await transport.read_bounded(response, transport.data_reply_limit())
                 await every_worker_registered([info.url for info in found.participants])
             return found
 
@@ -293,12 +293,14 @@ class RolloutHarness:
         """One ``/run`` of the environment server; the reply body (a result or a failure), with its HTTP status.
 
         A body that is not a JSON object comes back as ``{"body": ..., "status": ...}``. A
-        ``/run`` is never sent twice (a second one of a running episode is refused).
+        ``/run`` is never sent twice (a second one of a running episode is refused). A reply
+        beyond :func:`~gymckpt.transport.data_reply_limit` raises
+        :class:`~gymckpt.errors.ReplyTooLarge`, read no further.
         """
         url = f"{self.urls['environment']}/run"
         sent = {"episode_id": episode_id, "task": task}
         async with transport.request(self._client(), "POST", url, resend=False, json=sent) as response:
-            body = await response.json(content_type=None)
+            body = await transport.read_bounded_json(response, transport.data_reply_limit())
             if not isinstance(body, dict):
                 body = {"body": body}
             body.setdefault("status", response.status)
@@ -307,14 +309,14 @@ class RolloutHarness:
     async def model_calls(self) -> list[dict[str, Any]]:
         """Every generation the inference backend completed, in order."""
         async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
-            return await response.json()  # type: ignore[no-any-return]
+            return await transport.read_bounded_json(response, transport.data_reply_limit())  # type: ignore[no-any-return]
 
     async def reset_model_calls(self) -> None:
         # clearing twice leaves the log as clearing once: safe to send again
         async with transport.request(
             self._client(), "POST", f"{self.urls['inference']}/calls/reset", resend=True
         ) as response:
-            await response.read()
+            await transport.read_bounded(response, transport.data_reply_limit())
 
     # --- checkpoint, crash, restore
 

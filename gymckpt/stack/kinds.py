@@ -52,11 +52,18 @@ CONFIG_ENV = "GYMCKPT_SERVER_CONFIG"
 
 
 def load_config(kind: str, config: str | Path | dict[str, Any] | None) -> ServerConfig:
-    """The config of one server ``kind`` from its file or dict (validated, nothing built)."""
+    """The config of one server ``kind`` from its file or dict (validated, nothing built).
+
+    A mistake is a :class:`~gymckpt.errors.SettingsError` naming the file and each bad key.
+    """
+    from gymckpt.control.settings import misspellings
+    from gymckpt.errors import SettingsError
     from gymckpt.servers.base import load_server_config
 
     if kind not in KINDS:
-        raise ValueError(f"unknown server kind {kind!r}; one of {', '.join(KINDS)}")
+        meant = misspellings({kind: None}, KINDS).get(kind)
+        hint = f"; did you mean {meant!r}?" if meant else ""
+        raise SettingsError(f"unknown server kind {kind!r}{hint} (one of {', '.join(KINDS)})")
     module_name, config_name, _ = KINDS[kind]
     return load_server_config(getattr(importlib.import_module(module_name), config_name), config)
 

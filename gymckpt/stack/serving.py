@@ -14,18 +14,33 @@ every client's idle timeout) and listens with a backlog of
 the kernel instead of being dropped. No ``limit_concurrency``: past it uvicorn answers 503,
 which would fail rollouts that can as well wait. At startup the soft descriptor limit is
 raised to the hard one and the server's descriptor budget is logged
-(:func:`check_descriptor_budget`).
+(:func:`check_descriptor_budget`), and then one INFO line (:func:`startup_line`) says where
+the server listens and whether checkpointing is on, with which allowed roots (from the main
+process only, with several workers).
+
+Slow clients (:mod:`gymckpt.stack.request_deadlines`, the HTTP protocol of every server run
+here): a request's head must arrive within ``GYMCKPT_HEADER_TIMEOUT`` seconds (default 10)
+of the connection opening or of its first byte, else 408 and close; a body must keep
+``GYMCKPT_BODY_MIN_RATE`` bytes/s (default 1024) after ``GYMCKPT_BODY_GRACE`` seconds
+(default 10), counted only while the server waits for the client's bytes, not while the app
+has not read them. Past ``GYMCKPT_CONNECTION_BUDGET`` connections (default: what the
+descriptor budget leaves for calls coming in), the connections that have waited longest with
+no request in progress are closed, so a complete request (a control call) still gets in.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gymckpt import telemetry, transport
+from gymckpt.control.settings import checkpointing_summary
+from gymckpt.participants.install import STARTUP_LINE_ENV
 from gymckpt.stack.kinds import CONFIG_ENV, KIND_ENV, NOT_GYM, PARTICIPANT_KINDS, build_server, load_config
+from gymckpt.stack.request_deadlines import CONNECTION_BUDGET_ENV, DeadlineProtocol, RequestDeadlines
 
 if TYPE_CHECKING:
     from gymckpt.servers.base import ServerConfig
@@ -38,7 +53,10 @@ __all__ = [
     "WorkerDeaths",
     "check_descriptor_budget",
     "downstream_hosts",
+    "listening_url",
     "serve",
+    "startup_line",
+    "uvicorn_options",
     "worker_healthcheck_seconds",
 ]
 
@@ -119,7 +137,9 @@ def serve(
     warnings only (its access log only at debug). ``keep_alive`` (default
     ``GYMCKPT_KEEP_ALIVE``, else 75 s) is how long an idle connection stays open; this
     process's clients and its workers' keep theirs at most half as long. ``OTEL_*``
-    variables configure telemetry in this process and in every worker.
+    variables configure telemetry in this process and in every worker. The request deadlines
+    and the connection budget (``GYMCKPT_HEADER_TIMEOUT``, ``GYMCKPT_BODY_GRACE``,
+    ``GYMCKPT_BODY_MIN_RATE``, ``GYMCKPT_CONNECTION_BUDGET``) are checked before uvicorn starts.
     """
     import uvicorn
 
@@ -135,27 +155,28 @@ def serve(
     seconds = transport.server_keep_alive()
     telemetry.configure_from_environment(f"gymckpt-{kind}")
     config = load_config(kind, config_file)
-    check_descriptor_budget(kind, config, workers=workers)
-    uvicorn_options: dict[str, object] = {
-        "log_level": "debug" if level == "debug" else "warning",
-        "access_log": level == "debug",
-        "timeout_keep_alive": seconds,
-        "backlog": transport.LISTEN_BACKLOG,
-    }
+    budget = check_descriptor_budget(kind, config, workers=workers)
+    if not os.environ.get(CONNECTION_BUDGET_ENV, "").strip() and budget.inbound is not None and budget.inbound > 0:
+        os.environ[CONNECTION_BUDGET_ENV] = str(budget.inbound)  # this process's and every worker's
+    options = uvicorn_options(level, keep_alive=seconds)
     if workers > 1:
-        uvicorn_options["timeout_worker_healthcheck"] = worker_healthcheck_seconds()
+        options["timeout_worker_healthcheck"] = worker_healthcheck_seconds()
         if level != "debug":  # the supervisor's dead workers are warnings; its other lines stay out
-            uvicorn_options.update(log_level="info", log_config=_uvicorn_log_config())
+            options.update(log_level="info", log_config=_uvicorn_log_config())
+    if fd is None and port == 0:  # bound here, so the startup line names the port the system picked
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        fd = socket.create_server((host, 0), family=family, backlog=transport.LISTEN_BACKLOG).detach()
     where = {"fd": fd} if fd is not None else {"host": host, "port": port}
+    logger.info("%s", startup_line(kind, config, listening_url(host, port, fd), workers=workers))
+    os.environ[STARTUP_LINE_ENV] = "1"  # install_checkpointing, here or in a worker, logs no line of its own
     if workers == 1:
         app, _ = build_server(kind, config_file)
-        uvicorn.run(app, **uvicorn_options, **where)  # type: ignore[arg-type]
+        uvicorn.run(app, **options, **where)  # type: ignore[arg-type]
         return
     from gymckpt.workers.process import ENV_SOCKET, CoordinatorThread, worker_environment
 
     # no participant (checkpointing off, not a Gym server, an auxiliary model): the workers only route sessions
-    participant = config.checkpoint.enabled and kind not in NOT_GYM and getattr(config, "checkpoint_policy", True)
-    block = config.checkpoint if participant else None
+    block = config.checkpoint if _is_participant(kind, config) else None
     instance = str(getattr(config, "instance", f"{PARTICIPANT_KINDS.get(kind, kind)}-0"))
     env = worker_environment(block, workers, f"{kind}/{instance}")
     env[KIND_ENV] = kind
@@ -166,10 +187,64 @@ def serve(
         env[ENV_SOCKET] = str(coordinator.start())
     os.environ.update(env)
     try:
-        uvicorn.run("gymckpt.stack.kinds:app_from_env", factory=True, workers=workers, **uvicorn_options, **where)  # type: ignore[arg-type]
+        uvicorn.run("gymckpt.stack.kinds:app_from_env", factory=True, workers=workers, **options, **where)  # type: ignore[arg-type]
     finally:
         if coordinator is not None:
             coordinator.stop()
+
+
+def _is_participant(kind: str, config: ServerConfig) -> bool:
+    """Whether ``kind`` with ``config`` takes part in checkpoints (not the inference backend, nor an auxiliary model)."""
+    return bool(config.checkpoint.enabled and kind not in NOT_GYM and getattr(config, "checkpoint_policy", True))
+
+
+def listening_url(host: str, port: int, fd: int | None = None) -> str:
+    """The URL a server listens on: ``host:port``, or what the listening socket ``fd`` is bound to."""
+    if fd is not None:
+        sock = socket.socket(fileno=fd)
+        try:
+            family, address = sock.family, sock.getsockname()
+        except OSError:
+            return f"the inherited socket {fd}"
+        finally:
+            sock.detach()  # the descriptor stays open: it is the server's
+        if family == socket.AF_UNIX:
+            return f"unix:{address}"
+        host, port = address[0], address[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def startup_line(kind: str, config: ServerConfig, url: str, *, workers: int = 1) -> str:
+    """The one line a server logs at startup: where it listens, whether checkpointing is on, which roots."""
+    if _is_participant(kind, config):
+        checkpointing = checkpointing_summary(config.checkpoint)
+    elif kind in NOT_GYM:
+        checkpointing = "checkpointing off (not a Gym server)"
+    elif config.checkpoint.enabled:
+        checkpointing = "checkpointing off (checkpoint_policy: false, an auxiliary model)"
+    else:
+        checkpointing = checkpointing_summary(None)
+    several = f" with {workers} workers" if workers > 1 else ""
+    return f"{kind} server listening on {url}{several}, {checkpointing}"
+
+
+def uvicorn_options(level: str = "info", *, keep_alive: float | None = None) -> dict[str, object]:
+    """The uvicorn options of every server run here (one process, or each of several workers).
+
+    gymckpt's log ``level`` decides uvicorn's (warnings, its access log at debug only);
+    ``keep_alive`` defaults to :func:`~gymckpt.transport.server_keep_alive`. The HTTP protocol
+    is :class:`~gymckpt.stack.request_deadlines.DeadlineProtocol` (h11 with the request
+    deadlines and shedding), whose settings are read and checked here: a ValueError names a
+    variable that is not a positive number.
+    """
+    RequestDeadlines.from_environment()  # a bad variable fails here, not in each connection
+    return {
+        "log_level": "debug" if level == "debug" else "warning",
+        "access_log": level == "debug",
+        "timeout_keep_alive": transport.server_keep_alive() if keep_alive is None else keep_alive,
+        "backlog": transport.LISTEN_BACKLOG,
+        "http": DeadlineProtocol,
+    }
 
 
 def downstream_hosts(config: ServerConfig) -> list[str]:

@@ -21,28 +21,50 @@ server as N uvicorn workers (``gymckpt serve KIND --workers N``), and :meth:`Sta
 can start it again with another count. The servers inherit this process's environment:
 ``GYMCKPT_LOG_LEVEL``, ``GYMCKPT_KEEP_ALIVE`` and ``GYMCKPT_POOL_LIMIT`` reach each of them
 (``gymckpt stack up --log-level … --keep-alive …`` sets the first two).
+
+A stack file is checked whole before any socket opens or server starts: a key that looks
+like one a stack file (or its entries) may hold (``chekpoint:``, ``Checkpoint:``,
+``server:``) is refused with a did-you-mean, as are a ``"{name}"`` that names no server and
+each server's config (:func:`~gymckpt.stack.kinds.load_config`); every error is a
+:class:`~gymckpt.errors.SettingsError` naming the file and the key path.
+
+The servers' configs (with the control token) and logs go to the stack's working
+directory: a temporary ``gymckpt-stack-*`` one unless ``workdir`` is given, removed when
+the stack closes unless ``keep_workdir``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from gymckpt.control.settings import read_yaml_file
-from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields
+from gymckpt.control.settings import load_settings, misspelled_keys, misspellings, read_yaml_file
+from gymckpt.errors import SettingsError
+from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields, load_config
 from gymckpt.transport import LISTEN_BACKLOG
 
-__all__ = ["ServerProcess", "Stack", "load_stack"]
+__all__ = ["ENTRY_KEYS", "STACK_KEYS", "WORKDIR_PREFIX", "ServerProcess", "Stack", "load_stack"]
+
+logger = logging.getLogger(__name__)
+
+#: the keys a stack file's top level holds (others are left alone unless they look like one of these)
+STACK_KEYS = frozenset({"host", "checkpoint", "workers", "servers"})
+#: the keys of one ``servers:`` entry (the same rule)
+ENTRY_KEYS = frozenset({"name", "kind", "port", "workers", "config"})
+#: the name of a stack's temporary working directory starts so (in the system's temporary directory)
+WORKDIR_PREFIX = "gymckpt-stack-"
 
 #: how often :meth:`ServerProcess.reap` looks whether a killed server's process group is empty, in seconds
 _GROUP_POLL_SECONDS = 0.01
@@ -126,12 +148,27 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
 
-@dataclass
 class Stack:
-    """A set of servers started from a stack spec, killable and restartable as a whole."""
+    """A set of servers started from a stack spec, killable and restartable as a whole.
 
-    servers: dict[str, ServerProcess] = field(default_factory=dict)
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="gymckpt-stack-")))
+    ``workdir`` holds the servers' configs (the control token among them) and logs; without
+    one, a temporary ``gymckpt-stack-*`` directory is made, and :meth:`close` removes it
+    unless ``keep_workdir``. A ``workdir`` given is the caller's and stays.
+    """
+
+    def __init__(
+        self,
+        servers: dict[str, ServerProcess] | None = None,
+        workdir: Path | None = None,
+        *,
+        keep_workdir: bool = False,
+    ) -> None:
+        self.servers: dict[str, ServerProcess] = servers if servers is not None else {}
+        #: whether :meth:`close` removes :attr:`workdir` (a temporary one made here, unless kept)
+        self.removes_workdir = workdir is None and not keep_workdir
+        self.workdir: Path = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX))
+        self._closed = False
+        self._started = False
 
     @property
     def urls(self) -> dict[str, str]:
@@ -144,6 +181,7 @@ class Stack:
             if workers is not None:
                 server.workers = workers if isinstance(workers, int) else workers.get(name, server.workers)
             if not server.alive:
+                self._started = True
                 server.start(self.workdir)
 
     def kill(self, names: list[str] | None = None) -> None:
@@ -159,10 +197,32 @@ class Stack:
             server.reap()
 
     def close(self) -> None:
-        """Kill every server and close the sockets."""
-        self.kill()
-        for server in self.servers.values():
-            server.sock.close()
+        """Kill every server, close the sockets, and remove a temporary workdir (unless kept).
+
+        Once servers were started, one INFO line says where their logs are, or that they were removed.
+        """
+        try:
+            self.kill()
+        finally:
+            for server in self.servers.values():
+                server.sock.close()
+            if not self._closed:
+                self._closed = True
+                self._leave_workdir()
+
+    def _leave_workdir(self) -> None:
+        if self.removes_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        if not self._started:  # nothing ran (a refused stack file): nothing to say
+            return
+        if self.removes_workdir:
+            logger.info(
+                "stack stopped; its servers' logs and configs (with the control token) in %s were removed "
+                "(keep_workdir, or gymckpt stack up --keep-workdir, keeps them)",
+                self.workdir,
+            )
+        else:
+            logger.info("stack stopped; its servers' logs are in %s", self.workdir)
 
     def __enter__(self) -> Stack:
         return self
@@ -171,55 +231,133 @@ class Stack:
         self.close()
 
 
-def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None) -> Stack:
-    """Open every server's socket and resolve ``{name}`` URLs; nothing is started yet.
+def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None, keep_workdir: bool = False) -> Stack:
+    """Check the whole spec, open every server's socket and resolve ``{name}`` URLs; nothing is started yet.
 
-    A file YAML cannot parse raises ``ValueError("<file>: invalid YAML at line L, column C: …")``.
+    Every mistake is a :class:`~gymckpt.errors.SettingsError` (a ``ValueError``) naming the
+    file and the key path (``stack.yaml: servers[1].config.modl_url: unknown key; did you
+    mean 'model_url'?``), raised before any server starts; a file YAML cannot parse is
+    ``"<file>: invalid YAML at line L, column C: …"``. ``workdir`` (made if missing) holds
+    the servers' configs and logs; without it a temporary directory does, removed when the
+    stack closes unless ``keep_workdir``.
     """
-    if isinstance(spec, dict):
-        data: Any = spec
-    else:
-        data = read_yaml_file(spec)
-    if not isinstance(data, dict) or not isinstance(data.get("servers"), list):
-        raise ValueError("a stack file is a mapping with a 'servers' list")
+    path = "" if isinstance(spec, dict) else str(spec)
+    data: Any = spec if isinstance(spec, dict) else read_yaml_file(spec)
+    entries = _checked_entries(data, path)
     host = str(data.get("host", "127.0.0.1"))
     checkpoint = data.get("checkpoint")
-    default_workers = data.get("workers", 1)  # a stack-wide default for entries without their own
+    if checkpoint is not None:
+        _check_block(checkpoint, path)
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)  # the servers' configs and logs go there
-    stack = Stack() if workdir is None else Stack(workdir=workdir)
-    entries = []
-    for entry in data["servers"]:
-        name, kind = entry.get("name"), entry.get("kind")
-        if not name or kind not in KINDS:
-            raise ValueError(f"stack entry {entry!r} needs a name and a kind among {', '.join(KINDS)}")
-        if name in stack.servers:
-            raise ValueError(f"two servers are named {name!r}")
-        # the servers' own backlog: connects made while a server (re)starts wait here
-        sock = socket.create_server((host, int(entry.get("port", 0))), backlog=LISTEN_BACKLOG)
-        sock.set_inheritable(True)
-        log_path = stack.workdir / f"{name}.log"
-        workers = entry.get("workers", default_workers)
-        if type(workers) is not int or workers < 1:
-            raise ValueError(f"stack entry {name!r}: workers must be a positive integer, not {workers!r}")
-        stack.servers[name] = ServerProcess(name, kind, {}, sock, log_path, workers=workers)
-        entries.append((name, kind, dict(entry.get("config") or {})))
-    urls = stack.urls
-    for name, kind, config in entries:
-        resolved = _resolve(config, urls)
-        if checkpoint is not None and kind not in NOT_GYM and "checkpoint" not in resolved:
-            resolved["checkpoint"] = checkpoint
-        if "instance" in config_fields(kind):
-            resolved.setdefault("instance", name)
-        stack.servers[name].config = resolved
+    stack = Stack(workdir=workdir, keep_workdir=keep_workdir)
+    try:
+        for name, kind, port, workers, _ in entries:
+            # the servers' own backlog: connects made while a server (re)starts wait here
+            sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+            sock.set_inheritable(True)
+            stack.servers[name] = ServerProcess(name, kind, {}, sock, stack.workdir / f"{name}.log", workers=workers)
+        urls = stack.urls
+        for index, (name, kind, _, _, config) in enumerate(entries):
+            where = f"servers[{index}].config"
+            resolved = _resolve(config, urls, path, where)
+            if checkpoint is not None and kind not in NOT_GYM and "checkpoint" not in resolved:
+                resolved["checkpoint"] = checkpoint
+            if "instance" in config_fields(kind):
+                resolved.setdefault("instance", name)
+            try:
+                load_config(kind, resolved)  # what the server will read: refused here, before any starts
+            except SettingsError as exc:
+                prefix = f"{where}."
+                raise SettingsError([(prefix + key, why) for key, why in exc.problems], path=path) from None
+            stack.servers[name].config = resolved
+    except BaseException:  # a refused entry, an interrupt: nothing of this stack stays open or on disk
+        stack.close()
+        raise
     return stack
 
 
-def _resolve(value: Any, urls: dict[str, str]) -> Any:
+def _check_block(checkpoint: Any, path: str) -> None:
+    """The stack's ``checkpoint:`` block, checked once (each Gym server gets it)."""
+    try:
+        load_settings({"checkpoint": checkpoint})
+    except SettingsError as exc:
+        raise SettingsError(exc.problems, path=path) from None
+
+
+def _checked_entries(data: Any, path: str) -> list[tuple[str, str, int, int, dict[str, Any]]]:
+    """``(name, kind, port, workers, config)`` of each entry; every mistake of the file at once."""
+    if not isinstance(data, dict):
+        raise SettingsError("a stack file is a mapping with a 'servers' list", path=path)
+    problems = misspelled_keys(data, STACK_KEYS)
+    if not isinstance(data.get("servers"), list):
+        if "servers" not in {key for key, _ in problems} | set(misspellings(data, STACK_KEYS).values()):
+            problems.append(("servers", "required: a list of servers, each with a name and a kind"))
+        raise SettingsError(problems, path=path)
+    default_workers = data.get("workers", 1)  # a stack-wide default for entries without their own
+    if type(default_workers) is not int or default_workers < 1:
+        problems.append(("workers", "must be a positive integer"))
+    entries = []
+    names: set[str] = set()
+    for index, entry in enumerate(data["servers"]):
+        where = f"servers[{index}]"
+        if not isinstance(entry, dict):
+            problems.append((where, "must be a mapping with a name and a kind"))
+            continue
+        problems.extend(misspelled_keys(entry, ENTRY_KEYS, prefix=f"{where}."))
+        name, kind = entry.get("name"), entry.get("kind")
+        if not isinstance(name, str) or not name:
+            problems.append((f"{where}.name", "required: the server's name"))
+        elif name in names:
+            problems.append((f"{where}.name", f"two servers are named {name!r}"))
+        if kind not in KINDS:
+            meant = misspellings({kind: None}, KINDS).get(kind) if isinstance(kind, str) else None
+            hint = f"; did you mean {meant!r}?" if meant else ""
+            problems.append((f"{where}.kind", f"{kind!r} is no server kind{hint} (one of {', '.join(KINDS)})"))
+        port, workers = _port(entry.get("port", 0)), entry.get("workers", default_workers)
+        if port is None:
+            problems.append((f"{where}.port", "must be a port number, 0 to 65535 (0: a free one)"))
+        if type(workers) is not int or workers < 1:
+            problems.append((f"{where}.workers", "must be a positive integer"))
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            problems.append((f"{where}.config", "must be a mapping (the server's config)"))
+        if isinstance(name, str) and name:
+            names.add(name)
+        entries.append((name, kind, port or 0, workers, dict(config) if isinstance(config, dict) else {}))
+    if problems:
+        raise SettingsError(problems, path=path)
+    return entries
+
+
+def _port(value: Any) -> int | None:
+    """A port number (as an int or its digits), None when it is none."""
+    if isinstance(value, bool):
+        return None
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        return None
+    return port if 0 <= port <= 65535 else None
+
+
+def _resolve(value: Any, urls: dict[str, str], path: str = "", where: str = "") -> Any:
+    """``value`` with each ``"{name}"`` replaced by that server's URL; one that names no server is refused."""
     if isinstance(value, str):
-        return value.format_map(urls) if "{" in value else value
+        if "{" not in value:
+            return value
+        try:
+            return value.format_map(urls)
+        except KeyError as exc:
+            missing = str(exc.args[0])
+            meant = misspellings({missing: None}, urls).get(missing)
+            hint = f"; did you mean {'{' + meant + '}'!r}?" if meant else ""
+            why = f"{'{' + missing + '}'!r} names no server of this stack{hint} (servers: {', '.join(urls)})"
+        except (ValueError, IndexError, AttributeError):
+            why = "a '{' or '}' that is no \"{name}\" of a server (write a literal one as '{{' or '}}')"
+        raise SettingsError([(where, why)], path=path) from None
     if isinstance(value, dict):
-        return {key: _resolve(item, urls) for key, item in value.items()}
+        return {key: _resolve(item, urls, path, f"{where}.{key}") for key, item in value.items()}
     if isinstance(value, list):
-        return [_resolve(item, urls) for item in value]
+        return [_resolve(item, urls, path, f"{where}[{index}]") for index, item in enumerate(value)]
     return value

@@ -3,6 +3,7 @@
 The center of gymckpt; it imports nothing from the layers above it.
 """
 
+from gymckpt.store._local import LocalBackend
 from gymckpt.store.backend import BlobSink, StorageBackend
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url, open_store
 from gymckpt.store.codec import EncodedRecord, encoded
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointStore",
     "EncodedRecord",
     "Finding",
+    "LocalBackend",
     "Manifest",
     "NoCheckpointFound",
     "Severity",

@@ -19,15 +19,18 @@
  *     codec.encode_record's answer in one call (orjson.dumps, the fast walk, exact_line), for a
  *     record led by its episode_id; None where the Python code decides (and raises, if it must).
  *     configure_encoder(dumps, default, option) sets how it calls orjson.
- * append_lines(records, batch, filled, target, seen, ids) -> (filled, ended, record)
+ * append_lines(records, batch, filled, target, seen, ids[, longest]) -> (filled, ended, record[, longest])
  *     write_records' loop for the records encode_line writes: lines appended to a bytearray, ids
- *     to a set and a list, until a target size, the iterator's end, or a record left to Python.
+ *     to a set and a list, until a target size, the iterator's end, or a record left to Python;
+ *     with longest, the longest line written so far too.
  * decode_line(line) -> (episode_id, record) | None
- *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes;
- *     None where the Python code decides. configure_decoder(loads) sets the orjson.loads it calls.
- * decode_lines(chunk, start, limit, ids) -> (records, position)
+ *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes
+ *     and whose objects hold no key twice; None where the Python code decides.
+ *     configure_decoder(loads) sets the orjson.loads it calls.
+ * decode_lines(chunk, start, limit, ids[, line_limit]) -> (records, position)
  *     read_records' loop over the fast lines of a chunk: records decoded, ids appended, until a
- *     byte limit, a line left to Python, or the last newline; position is where it stopped.
+ *     byte limit, a line left to Python (or longer than line_limit), or the last newline;
+ *     position is where it stopped.
  *
  * The walk and exact_line run no Python code and allocate no container: borrowed references
  * stay valid.
@@ -659,22 +662,24 @@ encode_line(PyObject *module, PyObject *record)
  * returns to the interpreter otherwise keeps it for a whole chunk */
 #define YIELD_BYTES (256 << 10)
 
-/* append_lines(records, batch, filled, target, seen, ids) -> (filled, ended, record)
+/* append_lines(records, batch, filled, target, seen, ids[, longest]) -> (filled, ended, record[, longest])
  *
  * write_records' loop for the records encode_line writes: takes records from the iterator,
  * appends each line to the bytearray batch at offset filled (growing it only when the line does
  * not fit), its id to the set seen and the list ids, until filled reaches target or the iterator
  * ends (ended: True). Otherwise, with filled still below target, record is one it left to the
  * Python code (encode_line's None, or an id already in seen; any object, None too) with nothing
- * of it appended. A line is let go as soon as it is copied. */
+ * of it appended. A line is let go as soon as it is copied. Given longest (an int), the answer
+ * ends with the larger of it and the longest line appended (a manifest's max_record_bytes). */
 static PyObject *
 append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 6 || !PyIter_Check(args[0]) || !PyByteArray_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
-        !PyLong_CheckExact(args[3]) || !PyAnySet_CheckExact(args[4]) || !PyList_CheckExact(args[5])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "append_lines(records: iterator, batch: bytearray, filled: int, target: int, seen: set, ids: list)");
+    if ((nargs != 6 && nargs != 7) || !PyIter_Check(args[0]) || !PyByteArray_CheckExact(args[1]) ||
+        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]) || !PyAnySet_CheckExact(args[4]) ||
+        !PyList_CheckExact(args[5]) || (nargs == 7 && !PyLong_CheckExact(args[6]))) {
+        PyErr_SetString(PyExc_TypeError, "append_lines(records: iterator, batch: bytearray, filled: int, target: int, "
+                                         "seen: set, ids: list[, longest: int])");
         return NULL;
     }
     if (!configured(orjson_dumps, "configure_encoder")) {
@@ -683,7 +688,8 @@ append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *records = args[0], *batch = args[1], *seen = args[4], *ids = args[5];
     Py_ssize_t filled = PyLong_AsSsize_t(args[2]);
     Py_ssize_t target = PyLong_AsSsize_t(args[3]);
-    if ((filled == -1 || target == -1) && PyErr_Occurred()) {
+    Py_ssize_t longest = nargs == 7 ? PyLong_AsSsize_t(args[6]) : 0;
+    if ((filled == -1 || target == -1 || longest == -1) && PyErr_Occurred()) {
         return NULL;
     }
     if (filled < 0 || filled > PyByteArray_GET_SIZE(batch)) {
@@ -736,6 +742,9 @@ append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         memcpy(PyByteArray_AS_STRING(batch) + filled, PyBytes_AS_STRING(line), (size_t)length);
         Py_DECREF(line);
         filled = end;
+        if (length > longest) {
+            longest = length;
+        }
         since_yield += length;
         if (since_yield >= YIELD_BYTES) {
             since_yield = 0;
@@ -743,7 +752,9 @@ append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_END_ALLOW_THREADS
         }
     }
-    PyObject *answer = Py_BuildValue("(nOO)", filled, ended ? Py_True : Py_False, left == NULL ? Py_None : left);
+    PyObject *outcome = ended ? Py_True : Py_False, *record = left == NULL ? Py_None : left;
+    PyObject *answer = nargs == 7 ? Py_BuildValue("(nOOn)", filled, outcome, record, longest)
+                                  : Py_BuildValue("(nOO)", filled, outcome, record);
     Py_XDECREF(left);
     return answer;
 }
@@ -798,10 +809,287 @@ leads_with(const char *bytes, Py_ssize_t length, PyObject *episode_id)
            memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 && bytes[FAST_PREFIX_LENGTH + size] == '"';
 }
 
+/* ---- no key twice in one object ----
+ *
+ * orjson keeps the last of two equal keys (and the stdlib decoder too), so a line holding a key
+ * twice decodes to a record that differs from what a first-wins reader sees. Such a line is
+ * damage. The check costs no second parse: the keys of a JSON text are its colons outside
+ * strings, its objects its '{' outside strings; a decoded record holds as many keys, summed over
+ * its dicts, exactly when no object repeated a key (a repeated key drops at least itself). The
+ * walk over the decoded record stops once it has met as many dicts as the text has objects, and
+ * is skipped for a flat record. On the benchmark's workloads the check adds about a tenth to
+ * decode_lines' time for records of a few KB (W2) and less for large ones (W1), the scan most of it. */
+
+#if defined(__SSE2__) && !defined(GYMCKPT_NO_SSE2) /* GYMCKPT_NO_SSE2: build the portable scan (tests) */
+#include <emmintrin.h>
+
+/* 64 bytes at a time, without a branch on the data (how simdjson finds a document's structure): a
+ * bitmask per byte class, the quotes an odd run of backslashes escapes removed, the bytes inside
+ * strings from a prefix XOR of the quotes left; x86-64 always has SSE2 */
+
+/* bit i set where byte i of the 64 bytes compared is set (a compare's result per 16 bytes) */
+static inline unsigned long long
+block_bits(const __m128i found[4])
+{
+    unsigned long long mask = 0;
+    for (int part = 0; part < 4; part++) {
+        mask |= (unsigned long long)(unsigned int)_mm_movemask_epi8(found[part]) << (16 * part);
+    }
+    return mask;
+}
+
+static inline int
+bit_count(unsigned long long bits)
+{
+    bits = bits - ((bits >> 1) & 0x5555555555555555ULL);
+    bits = (bits & 0x3333333333333333ULL) + ((bits >> 2) & 0x3333333333333333ULL);
+    bits = (bits + (bits >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
+    return (int)((bits * 0x0101010101010101ULL) >> 56);
+}
+
+/* bit i set where the byte at i ends an odd run of backslashes before it (an escaped byte);
+ * *carry: 1 when the block before ended inside an odd run */
+static inline unsigned long long
+escaped_bytes(unsigned long long backslashes, unsigned long long *carry)
+{
+    const unsigned long long even_bits = 0x5555555555555555ULL;
+    const unsigned long long odd_bits = ~even_bits;
+    unsigned long long starts = backslashes & ~(backslashes << 1);
+    unsigned long long even_start_mask = even_bits ^ *carry;
+    unsigned long long even_starts = starts & even_start_mask;
+    unsigned long long odd_starts = starts & ~even_start_mask;
+    unsigned long long even_carries = backslashes + even_starts;
+    unsigned long long odd_carries = backslashes + odd_starts;
+    unsigned long long ends_odd = odd_carries < backslashes; /* the addition overflowed: the run goes on */
+    odd_carries |= *carry;
+    *carry = ends_odd;
+    unsigned long long even_start_odd_end = even_carries & ~backslashes & odd_bits;
+    unsigned long long odd_start_even_end = odd_carries & ~backslashes & even_bits;
+    return even_start_odd_end | odd_start_even_end;
+}
+
+/* bit i set where an odd number of bits at or below i are set */
+static inline unsigned long long
+prefix_xor(unsigned long long bits)
+{
+    bits ^= bits << 1;
+    bits ^= bits << 2;
+    bits ^= bits << 4;
+    bits ^= bits << 8;
+    bits ^= bits << 16;
+    bits ^= bits << 32;
+    return bits;
+}
+
+/* the keys (colons outside strings) and objects ('{' outside strings) of a JSON text orjson accepted */
+static void
+count_keys_and_objects(const char *text, Py_ssize_t length, Py_ssize_t *keys_out, Py_ssize_t *objects_out)
+{
+    Py_ssize_t keys = 0, objects = 0;
+    unsigned long long odd_backslash_carry = 0, in_string_carry = 0;
+    unsigned char tail[64];
+    for (Py_ssize_t offset = 0; offset < length; offset += 64) {
+        const unsigned char *block = (const unsigned char *)text + offset;
+        if (length - offset < 64) { /* the last bytes, padded with spaces (no byte class counted) */
+            memset(tail, ' ', sizeof(tail));
+            memcpy(tail, block, (size_t)(length - offset));
+            block = tail;
+        }
+        __m128i quote[4], backslash[4], colon[4], brace[4], any[4];
+        for (int part = 0; part < 4; part++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 16 * part));
+            quote[part] = _mm_cmpeq_epi8(bytes, _mm_set1_epi8('"'));
+            backslash[part] = _mm_cmpeq_epi8(bytes, _mm_set1_epi8('\\'));
+            colon[part] = _mm_cmpeq_epi8(bytes, _mm_set1_epi8(':'));
+            brace[part] = _mm_cmpeq_epi8(bytes, _mm_set1_epi8('{'));
+            any[part] = _mm_or_si128(_mm_or_si128(quote[part], backslash[part]), _mm_or_si128(colon[part], brace[part]));
+        }
+        if (block_bits(any) == 0 && odd_backslash_carry == 0) {
+            continue; /* digits or a string's plain text (most blocks): inside or outside a string as before */
+        }
+        unsigned long long backslashes = block_bits(backslash);
+        unsigned long long quotes = block_bits(quote);
+        if (backslashes != 0 || odd_backslash_carry != 0) {
+            quotes &= ~escaped_bytes(backslashes, &odd_backslash_carry);
+        }
+        unsigned long long in_string = prefix_xor(quotes) ^ in_string_carry;
+        in_string_carry = (unsigned long long)((long long)in_string >> 63);
+        keys += bit_count(block_bits(colon) & ~in_string);
+        objects += bit_count(block_bits(brace) & ~in_string);
+    }
+    *keys_out = keys;
+    *objects_out = objects;
+}
+
+#else
+
+/* Without SSE2: 8 bytes at a time where the compiler allows (SWAR: a byte test on a whole word),
+ * strings skipped to their next quote or backslash; about twice the SSE2 scan's cost. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define SWAR 1
+#define SWAR_ONES 0x0101010101010101ULL
+#define SWAR_LOWS 0x7f7f7f7f7f7f7f7fULL
+
+/* the high bit of each byte of the result is set exactly where that byte of word is the byte whose
+ * 8 copies are repeated (no carry crosses a byte, so there are no false matches) */
+static inline unsigned long long
+bytes_equal(unsigned long long word, unsigned long long repeated)
+{
+    unsigned long long x = word ^ repeated;
+    return ~(((x & SWAR_LOWS) + SWAR_LOWS) | x | SWAR_LOWS);
+}
+
+/* how many bytes a bytes_equal result marks */
+static inline Py_ssize_t
+marked(unsigned long long found)
+{
+    return (Py_ssize_t)(((found >> 7) * SWAR_ONES) >> 56);
+}
+
+static inline unsigned long long
+load_word(const unsigned char *at)
+{
+    unsigned long long word;
+    memcpy(&word, at, sizeof(word));
+    return word;
+}
+#else
+#define SWAR 0
+#endif
+
+/* outside a string: counts ':' (keys) and '{' (objects) up to the next '"'; returns where it is, or end */
+static inline const unsigned char *
+count_to_quote(const unsigned char *at, const unsigned char *end, Py_ssize_t *keys, Py_ssize_t *objects)
+{
+#if SWAR
+    while (end - at >= 8) {
+        unsigned long long word = load_word(at);
+        unsigned long long quotes = bytes_equal(word, SWAR_ONES * '"');
+        unsigned long long colons = bytes_equal(word, SWAR_ONES * ':');
+        unsigned long long braces = bytes_equal(word, SWAR_ONES * '{');
+        if (quotes != 0) {
+            unsigned long long before = (quotes & (0 - quotes)) - 1; /* the bytes before the first quote */
+            *keys += marked(colons & before);
+            *objects += marked(braces & before);
+            return at + (__builtin_ctzll(quotes) >> 3);
+        }
+        *keys += marked(colons);
+        *objects += marked(braces);
+        at += 8;
+    }
+#endif
+    for (; at < end && *at != '"'; at++) {
+        *keys += *at == ':';
+        *objects += *at == '{';
+    }
+    return at;
+}
+
+/* inside a string (at: after its opening quote): returns where its closing quote is, or end; an escape
+ * skips the byte after its backslash */
+static inline const unsigned char *
+skip_string(const unsigned char *at, const unsigned char *end)
+{
+    for (;;) {
+#if SWAR
+        while (end - at >= 8) {
+            unsigned long long word = load_word(at);
+            unsigned long long stops = bytes_equal(word, SWAR_ONES * '"') | bytes_equal(word, SWAR_ONES * '\\');
+            if (stops != 0) {
+                at += __builtin_ctzll(stops) >> 3;
+                break;
+            }
+            at += 8;
+        }
+#endif
+        while (at < end && *at != '"' && *at != '\\') {
+            at++;
+        }
+        if (at >= end || *at == '"') {
+            return at < end ? at : end;
+        }
+        at += 2; /* a backslash and the byte it escapes */
+    }
+}
+
+/* the keys (colons outside strings) and objects ('{' outside strings) of a JSON text orjson accepted */
+static void
+count_keys_and_objects(const char *text, Py_ssize_t length, Py_ssize_t *keys_out, Py_ssize_t *objects_out)
+{
+    const unsigned char *at = (const unsigned char *)text;
+    const unsigned char *end = at + length;
+    Py_ssize_t keys = 0, objects = 0;
+    while ((at = count_to_quote(at, end, &keys, &objects)) < end) {
+        at = skip_string(at + 1, end);
+        if (at < end) {
+            at++; /* past the closing quote */
+        }
+    }
+    *keys_out = keys;
+    *objects_out = objects;
+}
+
+#endif
+
+static inline int
+is_container(PyObject *value)
+{
+    return Py_TYPE(value) == &PyDict_Type || Py_TYPE(value) == &PyList_Type;
+}
+
+/* adds the sizes of the dicts in node (itself included) to *keys and their number to *dicts, in
+ * document order, until *dicts reaches objects; recursion is bounded by orjson's depth limit.
+ *
+ * A list that neither begins nor ends with a container is taken for one of scalars and skipped:
+ * a record's long lists are token ids and logprobs, and visiting their items would cost most of
+ * the check. Skipping can only leave keys uncounted, never count one twice, so a list holding
+ * dicts between scalars makes its line look like one with a key twice: the Python code decides
+ * it (exactly, and slower), never a false acceptance. */
+static void
+sum_dict_sizes(PyObject *node, Py_ssize_t objects, Py_ssize_t *keys, Py_ssize_t *dicts)
+{
+    if (Py_TYPE(node) == &PyDict_Type) {
+        *keys += PyDict_GET_SIZE(node);
+        (*dicts)++;
+        Py_ssize_t position = 0;
+        PyObject *key, *value;
+        while (*dicts < objects && PyDict_Next(node, &position, &key, &value)) {
+            if (is_container(value)) {
+                sum_dict_sizes(value, objects, keys, dicts);
+            }
+        }
+        return;
+    }
+    const Py_ssize_t size = PyList_GET_SIZE(node);
+    if (size > 2 && !is_container(PyList_GET_ITEM(node, 0)) && !is_container(PyList_GET_ITEM(node, size - 1))) {
+        return;
+    }
+    for (Py_ssize_t index = 0; index < size && *dicts < objects; index++) {
+        PyObject *item = PyList_GET_ITEM(node, index);
+        if (is_container(item)) {
+            sum_dict_sizes(item, objects, keys, dicts);
+        }
+    }
+}
+
+/* 1 when no object of the line (bytes orjson decoded to the dict record) holds a key twice, else 0 */
+static int
+keys_unique(PyObject *record, const char *bytes, Py_ssize_t length)
+{
+    Py_ssize_t keys, objects;
+    count_keys_and_objects(bytes, length, &keys, &objects);
+    if (objects == 1) {
+        return PyDict_GET_SIZE(record) == keys;
+    }
+    Py_ssize_t decoded = 0, dicts = 0;
+    sum_dict_sizes(record, objects, &decoded, &dicts);
+    return decoded == keys;
+}
+
 /* Decode a fast line as codec.decode_line_and_id does: 1 with new references in *episode_id and
- * *record, 0 where the Python code decides (an exact or damaged line, or an id orjson spells
- * with escapes), -1 with an error set. line is the object orjson reads; bytes and length are
- * its buffer, valid for the call. */
+ * *record, 0 where the Python code decides (an exact or damaged line, a key twice in one object,
+ * or an id orjson spells with escapes), -1 with an error set. line is the object orjson reads;
+ * bytes and length are its buffer, valid for the call. */
 static int
 decode_pair(PyObject *line, const char *bytes, Py_ssize_t length, PyObject **episode_id_out, PyObject **record_out)
 {
@@ -820,7 +1108,8 @@ decode_pair(PyObject *line, const char *bytes, Py_ssize_t length, PyObject **epi
     PyObject *key, *episode_id;
     if (Py_TYPE(record) == &PyDict_Type && PyDict_Next(record, &position, &key, &episode_id) &&
         Py_TYPE(key) == &PyUnicode_Type && Py_TYPE(episode_id) == &PyUnicode_Type &&
-        PyUnicode_Compare(key, episode_id_key) == 0 && leads_with(bytes, length, episode_id)) {
+        PyUnicode_Compare(key, episode_id_key) == 0 && leads_with(bytes, length, episode_id) &&
+        keys_unique(record, bytes, length)) {
         *episode_id_out = Py_NewRef(episode_id);
         *record_out = record;
         return 1;
@@ -850,20 +1139,22 @@ decode_line(PyObject *module, PyObject *line)
     return pair_or_none(decoded, episode_id, record);
 }
 
-/* decode_lines(chunk, start, limit, ids) -> (records, position)
+/* decode_lines(chunk, start, limit, ids[, line_limit]) -> (records, position)
  *
  * read_records' loop over fast lines: decodes the newline-ended lines of the bytes chunk from
  * offset start, as decode_line does, appending each id to the list ids and each record to the
- * list it returns, until the lines read pass limit bytes, a line is no fast line (left to the
- * Python code), or no newline is left. position is where the next line starts: the line it
- * left, the rest of a line the next chunk ends, or len(chunk). */
+ * list it returns, until the lines read pass limit bytes, a line is no fast line or takes more
+ * than line_limit bytes with its newline (either left to the Python code), or no newline is
+ * left. position is where the next line starts: the line it left, the rest of a line the next
+ * chunk ends, or len(chunk). */
 static PyObject *
 decode_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4 || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) || !PyLong_CheckExact(args[2]) ||
-        !PyList_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "decode_lines(chunk: bytes, start: int, limit: int, ids: list)");
+    if ((nargs != 4 && nargs != 5) || !PyBytes_CheckExact(args[0]) || !PyLong_CheckExact(args[1]) ||
+        !PyLong_CheckExact(args[2]) || !PyList_CheckExact(args[3]) || (nargs == 5 && !PyLong_CheckExact(args[4]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode_lines(chunk: bytes, start: int, limit: int, ids: list[, line_limit: int])");
         return NULL;
     }
     if (!configured(orjson_loads, "configure_decoder")) {
@@ -874,11 +1165,13 @@ decode_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t size = PyBytes_GET_SIZE(chunk);
     Py_ssize_t position = PyLong_AsSsize_t(args[1]);
     Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
-    if ((position == -1 || limit == -1) && PyErr_Occurred()) {
+    Py_ssize_t line_limit = nargs == 5 ? PyLong_AsSsize_t(args[4]) : PY_SSIZE_T_MAX;
+    if ((position == -1 || limit == -1 || line_limit == -1) && PyErr_Occurred()) {
         return NULL;
     }
-    if (position < 0 || position > size || limit < 0) {
-        PyErr_SetString(PyExc_ValueError, "decode_lines: start is outside the chunk, or limit is negative");
+    if (position < 0 || position > size || limit < 0 || line_limit < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "decode_lines: start is outside the chunk, or limit or line_limit is negative");
         return NULL;
     }
     PyObject *records = PyList_New(0);
@@ -893,8 +1186,8 @@ decode_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         Py_ssize_t length = newline - line;
-        if (!has_fast_prefix(line, length)) {
-            break;
+        if (length >= line_limit || !has_fast_prefix(line, length)) {
+            break; /* a line longer than the manifest allows (with its newline) is damage the Python code names */
         }
         /* a view of the chunk, which outlives it: orjson copies what it keeps */
         PyObject *view = PyMemoryView_FromMemory((char *)line, length, PyBUF_READ);
@@ -938,12 +1231,13 @@ static PyMethodDef methods[] = {
      "encode_line(record) -> (episode_id, line) | None: codec.encode_record's answer for a record it writes "
      "without Python code; None where the Python code decides."},
     {"append_lines", (PyCFunction)(void (*)(void))append_lines, METH_FASTCALL,
-     "append_lines(records, batch, filled, target, seen, ids) -> (filled, ended, record): write_records' loop "
-     "for the records encode_line writes; returns at target, at the end, or with a record left to Python."},
+     "append_lines(records, batch, filled, target, seen, ids[, longest]) -> (filled, ended, record[, longest]): "
+     "write_records' loop for the records encode_line writes; returns at target, at the end, or with a record left "
+     "to Python."},
     {"configure_decoder", configure_decoder, METH_O, "configure_decoder(loads) -> None: the orjson.loads decode_line calls."},
     {"decode_lines", (PyCFunction)(void (*)(void))decode_lines, METH_FASTCALL,
-     "decode_lines(chunk, start, limit, ids) -> (records, position): read_records' loop over fast lines, from start "
-     "until limit bytes, a line left to Python, or the last newline."},
+     "decode_lines(chunk, start, limit, ids[, line_limit]) -> (records, position): read_records' loop over fast "
+     "lines, from start until limit bytes, a line left to Python (or longer than line_limit), or the last newline."},
     {"decode_line", decode_line, METH_O,
      "decode_line(line) -> (episode_id, record) | None: codec.decode_line_and_id's answer for a fast line; "
      "None where the Python code decides."},

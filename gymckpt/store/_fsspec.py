@@ -115,7 +115,9 @@ def _check_options(url: str, options: dict[str, Any], own: frozenset[str]) -> No
     try:
         cls = fsspec.get_filesystem_class(_protocol(url) or "file")
     except (ImportError, ValueError) as exc:
-        raise UnsupportedStorage(f"cannot open {url!r}: {exc} (for s3://: pip install 'gymckpt[s3]')") from exc
+        raise UnsupportedStorage(
+            f"cannot open {url!r}: {exc} (for s3://: pip install -e '.[s3]' in the gymckpt clone)"
+        ) from exc
     known = set(_FSSPEC_BASE_OPTIONS)
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -188,7 +190,7 @@ class FsspecBackend(StorageBackend):
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except ImportError as exc:
             raise UnsupportedStorage(
-                f"{url!r} needs the filesystem's package: pip install 'gymckpt[s3]' ({exc})"
+                f"{url!r} needs the filesystem's package: pip install -e '.[s3]' in the gymckpt clone ({exc})"
             ) from exc
         except (ValueError, TypeError) as exc:
             raise UnsupportedStorage(f"cannot open {url!r}: {exc}") from exc
@@ -269,11 +271,6 @@ class FsspecBackend(StorageBackend):
         """The filesystem path (``bucket/prefix/...``) of a store-relative path."""
         relative = safe_relative_path(path)
         return f"{self.root}/{relative}" if relative else self.root
-
-    def _relative(self, full: str) -> str | None:
-        full = full.rstrip("/")
-        prefix = self.root + "/"
-        return full[len(prefix) :] if full.startswith(prefix) else None
 
     # --- writing
 
@@ -376,8 +373,15 @@ class FsspecBackend(StorageBackend):
             names.add(child + "/" if entry.get("type") == "directory" else child)
         return sorted(names)
 
-    def walk_files(self, path: str = "") -> Iterator[str]:
-        """Every file under ``path`` from one recursive listing (no per-directory requests)."""
+    def walk_keys(self, path: str = "") -> Iterator[tuple[str, bool]]:
+        """Every object key under ``path`` from one recursive listing (no per-directory requests), sorted,
+        relative to the root as listed, and whether a store-relative path names it.
+
+        A key with an empty, ``.`` or ``..`` segment (``a//b``, ``a/./b``, ``a/../b``), a backslash
+        or a NUL is one no path reaches (:func:`safe_relative_path` makes another of it): False.
+        ``verify`` reports those; every other reader skips them. A directory placeholder (a key
+        ending in one ``/`` that names a directory) is not a file and is not listed.
+        """
         full = self.full_path(path)
         self.fs.invalidate_cache(full)
         try:
@@ -386,16 +390,29 @@ class FsspecBackend(StorageBackend):
         except FileNotFoundError:
             return
         below = safe_relative_path(path)
+        prefix = self.root + "/"
         for name in sorted(found):
-            if name.endswith("/"):
-                continue  # a directory placeholder object
-            relative = self._relative(name)
+            if not name.startswith(prefix):
+                continue  # the root itself
+            relative = name[len(prefix) :]
             if not relative or (below and not relative.startswith(below + "/")):
                 continue
-            if not _addressable(relative):
-                logger.warning("skipping %s: a key with empty, '.' or '..' segments cannot be read back", name)
+            placeholder = relative.endswith("/")
+            stem = relative[:-1] if placeholder else relative
+            if stem and _addressable(stem):
+                if not placeholder:
+                    yield relative, True
                 continue
-            yield relative
+            yield relative, False
+
+    def walk_files(self, path: str = "") -> Iterator[str]:
+        """Every file under ``path`` that a path names (:meth:`walk_keys`); the other keys are logged, never read."""
+        for key, addressable in self.walk_keys(path):
+            if addressable:
+                yield key
+            else:
+                # %r: a key is data, and may hold control characters
+                logger.warning("skipping %r: a key with empty, '.' or '..' segments cannot be read back", key)
 
     # --- lifetime
 

@@ -1,10 +1,13 @@
 """Local (and shared POSIX) filesystem backend: os-level I/O, real fsync of files and directories.
 
-Every path below the root is reached one component at a time from a directory descriptor
-(``openat`` with ``O_NOFOLLOW``), so nothing below the root is followed: a symlink, FIFO,
-socket or device where a directory or a file of state belongs is refused with
-:class:`~gymckpt.errors.NotRegularFile` before anything is read or written through it,
-and no read or write leaves the root. The root itself may be a symlink (a mount elsewhere).
+The root is resolved once, when the backend is opened, and held open as a directory descriptor
+until :meth:`LocalBackend.close` (:mod:`gymckpt.store._dirfd`); every path below it is reached one
+component at a time from descriptors (``openat`` with ``O_NOFOLLOW``), so nothing below the root
+is followed: a symlink, FIFO, socket or device where a directory or a file of state belongs is
+refused with :class:`~gymckpt.errors.NotRegularFile` before anything is read or written through
+it, and no read or write leaves the root, even when a directory is swapped for a symlink while a
+commit runs. The root's own path may go through a symlink (a mount elsewhere): it is followed
+once, when the backend is opened.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING
 
 from gymckpt.errors import ManifestConflict, NotRegularFile, StorageError, UnsupportedStorage, UnusableDirectory
+from gymckpt.store._dirfd import RootDirectory, not_regular, open_directory_at, os_errors, translate
 from gymckpt.store.backend import BlobSink, EntryKind, StorageBackend, join, safe_relative_path
 from gymckpt.store.capabilities import (
     ALLOW_NO_LINK_ENV,
     LINK_CAPABILITY,
+    LinkSupport,
     allow_no_link_from_environment,
     link_unsupported,
+    probe_link_at,
 )
 from gymckpt.store.layout import TEMP_PREFIX
 
@@ -32,66 +38,14 @@ if TYPE_CHECKING:
 
 __all__ = ["TEMP_PREFIX", "LocalBackend"]
 
-_DIRECTORY_ERRNOS = {
-    errno.EACCES,
-    errno.EPERM,
-    errno.EROFS,
-    errno.ENOTDIR,
-    errno.EEXIST,
-    errno.EISDIR,
-    errno.ENAMETOOLONG,
-}
-_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW
 #: O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused right after)
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
-def _translate(exc: OSError, path: str, action: str) -> Exception:
-    """The one place an OS error becomes a gymckpt error."""
-    if isinstance(exc, FileNotFoundError):
-        return exc
-    detail = f"cannot {action} {path}: {os.strerror(exc.errno) if exc.errno else exc}"
-    if exc.errno in _DIRECTORY_ERRNOS:
-        return UnusableDirectory(detail, path=path)
-    return StorageError(detail, path=path, errno=exc.errno)
-
-
-@contextmanager
-def _os_errors(path: str, action: str) -> Iterator[None]:
-    try:
-        yield
-    except (FileNotFoundError, NotRegularFile):
-        raise
-    except OSError as exc:
-        raise _translate(exc, path, action) from exc
-
-
-def _describe(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    if stat.S_ISDIR(mode):
-        return "a directory"
-    return "a regular file"
-
-
-def _not_regular(path: str, mode: int, wanted: str) -> NotRegularFile:
-    return NotRegularFile(
-        f"{path} is {_describe(mode)}, not {wanted}: only regular files in real directories are state, "
-        "and gymckpt never follows or opens anything else",
-        path=path,
-    )
-
-
 def _write_durable(directory: int, name: str, relative: str, data: bytes) -> None:
     """Create ``name`` (exclusively) in ``directory`` with ``data``, fsynced; errors name ``relative``."""
-    with _os_errors(relative, "write"):
+    with os_errors(relative, "write"):
         fd = os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory)
         try:
             _write_all(fd, data)
@@ -152,15 +106,22 @@ class _LocalSink(BlobSink):
         self._name = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
         self.temp_path = join(self._directory, self._name)
         self._dir_fd: int | None = backend.open_directory(self._directory, create=True)
-        try:
-            with _os_errors(self._directory, "create a temporary file in"):
-                self._fd: int | None = os.open(self._name, _CREATE_FLAGS, 0o644, dir_fd=self._dir_fd)
-        except BaseException:
-            self._close_directory()
-            raise
+        self._fd: int | None = None
         self._published = False
         #: bytes written so far: where the next chunk starts
         self._offset = 0
+        try:
+            with os_errors(self._directory, "create a temporary file in"):
+                self._fd = os.open(self._name, _CREATE_FLAGS, 0o644, dir_fd=self._dir_fd)
+        except BaseException:
+            self._close_directory()
+            raise
+        try:
+            # before the first byte: on a filesystem without link() the manifest could never be published
+            backend.require_link(self._dir_fd, self._name, self._directory)
+        except BaseException:
+            self.abort()
+            raise
 
     def _close_directory(self) -> None:
         fd, self._dir_fd = self._dir_fd, None
@@ -170,7 +131,7 @@ class _LocalSink(BlobSink):
 
     def write(self, chunk: bytes | memoryview) -> None:
         assert self._fd is not None, "write after finish or abort"
-        with _os_errors(self.temp_path, "write"):
+        with os_errors(self.temp_path, "write"):
             size = _write_all(self._fd, chunk)
         if _START_WRITEBACK is not None:
             _START_WRITEBACK(self._fd, self._offset, size)  # a head start for finish's fsync; its result is not needed
@@ -179,7 +140,7 @@ class _LocalSink(BlobSink):
     def finish(self) -> None:
         assert self._fd is not None, "finish twice or after abort"
         fd, self._fd = self._fd, None
-        with _os_errors(self.temp_path, "fsync"):  # a failing close (EIO, ENXIO) is a StorageError too
+        with os_errors(self.temp_path, "fsync"):  # a failing close (EIO, ENXIO) is a StorageError too
             try:
                 os.fsync(fd)
             finally:
@@ -187,7 +148,7 @@ class _LocalSink(BlobSink):
 
     def publish(self, name: str) -> None:
         assert self._dir_fd is not None, "publish after abort"
-        with _os_errors(join(self._directory, name), "rename into place"):
+        with os_errors(join(self._directory, name), "rename into place"):
             os.rename(self._name, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         self._published = True
         self._close_directory()
@@ -208,15 +169,22 @@ class _LocalSink(BlobSink):
 class LocalBackend(StorageBackend):
     """Files under a local or shared POSIX directory, made durable with fsync."""
 
-    def __init__(self, root: str, *, allow_no_link: bool | None = None) -> None:
-        """``allow_no_link``: on a filesystem without ``link()``, create manifests with ``O_EXCL`` instead
-        of refusing it (None: the environment variable ``GYMCKPT_ALLOW_NO_LINK`` decides); see
-        :meth:`create_if_absent` for what that gives up."""
+    def __init__(self, root: str, *, allow_no_link: bool | None = None, resolved: bool = False) -> None:
+        """Resolve ``root`` and open it (or its deepest existing ancestor, until a write creates it), once.
+
+        ``allow_no_link``: on a filesystem without ``link()``, create manifests with ``O_EXCL``
+        instead of refusing it (None: the environment variable ``GYMCKPT_ALLOW_NO_LINK``
+        decides); see :meth:`create_if_absent` for what that gives up. ``resolved``: ``root`` is
+        an absolute path already resolved (what an ``allowed_roots`` check compared), so a
+        symlink anywhere in it is refused rather than followed.
+        """
         self.url = root
-        self.root = os.path.abspath(root)
         self.allow_no_link = allow_no_link_from_environment() if allow_no_link is None else allow_no_link
-        #: the filesystems under the root (``st_dev``) that a create found without link(), and its refusal
-        self._without_link: dict[int, OSError] = {}
+        self._root = RootDirectory(root, resolved=resolved)
+        #: the resolved absolute path of the root, as opened
+        self.root = self._root.path
+        #: what link() does on each filesystem (``st_dev``) under the root, asked once per filesystem
+        self._links = LinkSupport()
 
     @property
     def supports_directory_fsync(self) -> bool:
@@ -224,8 +192,12 @@ class LocalBackend(StorageBackend):
 
     @property
     def supports_conditional_create(self) -> bool:
-        """True until a create finds a filesystem under the root without ``link()`` (see :meth:`create_if_absent`)."""
-        return not self._without_link
+        """True until a write finds a filesystem under the root without ``link()`` (see :meth:`require_link`)."""
+        return not self._links.any_refused
+
+    def close(self) -> None:
+        """Release the root's descriptor; the backend cannot be used afterwards."""
+        self._root.close()
 
     def real_path(self, path: str) -> str:
         """The OS path of a store-relative path (which never escapes the root)."""
@@ -236,13 +208,8 @@ class LocalBackend(StorageBackend):
 
     def _chain(self, relative: str, *, create: bool) -> list[int]:
         """Descriptors of the root and of each directory down to ``relative``; the caller closes them."""
-        fds: list[int] = []
+        fds: list[int] = [self._root.open(create=create)]
         try:
-            if create:
-                with _os_errors("", "create the store's root"):
-                    os.makedirs(self.root, exist_ok=True)
-            with _os_errors("", "open the store's root"):
-                fds.append(os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
             walked = ""
             for name in relative.split("/") if relative else ():
                 walked = join(walked, name)
@@ -252,26 +219,12 @@ class LocalBackend(StorageBackend):
                     except FileExistsError:
                         pass
                     except OSError as exc:
-                        raise _translate(exc, walked, "create the directory") from exc
-                fds.append(self._open_directory_at(fds[-1], name, walked))
+                        raise translate(exc, walked, "create the directory") from exc
+                fds.append(open_directory_at(fds[-1], name, walked))
             return fds
         except BaseException:
             _close_all(fds)
             raise
-
-    def _open_directory_at(self, parent: int, name: str, path: str) -> int:
-        try:
-            return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            mode = stat.S_IFREG
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                with suppress(OSError):
-                    mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
-            if not stat.S_ISREG(mode):
-                raise _not_regular(path, mode, "a directory") from exc
-            raise _translate(exc, path, "open the directory") from exc
 
     def open_directory(self, path: str, *, create: bool = False) -> int:
         """A descriptor of the directory ``path`` (created with its parents when ``create``)."""
@@ -306,19 +259,19 @@ class LocalBackend(StorageBackend):
                     with suppress(OSError):
                         mode = os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode
                 if not stat.S_ISREG(mode):
-                    raise _not_regular(relative, mode, "a regular file") from exc
-                raise _translate(exc, relative, "open") from exc
+                    raise not_regular(relative, mode, "a regular file") from exc
+                raise translate(exc, relative, "open") from exc
         try:
             mode = os.fstat(fd).st_mode
         except OSError as exc:
             os.close(fd)
-            raise _translate(exc, relative, "stat") from exc
+            raise translate(exc, relative, "stat") from exc
         if stat.S_ISREG(mode):
             return fd
         os.close(fd)
         if stat.S_ISDIR(mode):
             raise FileNotFoundError(errno.EISDIR, f"{relative} is a directory, not a file", relative)
-        raise _not_regular(relative, mode, "a regular file")
+        raise not_regular(relative, mode, "a regular file")
 
     # --- the interface
 
@@ -329,13 +282,13 @@ class LocalBackend(StorageBackend):
         return open(self._open_file(path), "rb", buffering=0)
 
     def read_bytes(self, path: str) -> bytes:
-        with _os_errors(path, "read"), self.open_read(path) as stream:
+        with os_errors(path, "read"), self.open_read(path) as stream:
             return stream.read()
 
     def size(self, path: str) -> int:
         fd = self._open_file(path)
         try:
-            with _os_errors(path, "stat"):
+            with os_errors(path, "stat"):
                 return os.fstat(fd).st_size
         finally:
             os.close(fd)
@@ -358,7 +311,7 @@ class LocalBackend(StorageBackend):
                 return []
             raise
         try:
-            with _os_errors(path or ".", "list"):
+            with os_errors(path or ".", "list"):
                 entries = list(os.scandir(fd))
         finally:
             os.close(fd)
@@ -377,13 +330,13 @@ class LocalBackend(StorageBackend):
 
     def _walk_at(self, fd: int, prefix: str) -> Iterator[tuple[str, EntryKind]]:
         try:
-            with _os_errors(prefix or ".", "list"):
+            with os_errors(prefix or ".", "list"):
                 entries = sorted(os.scandir(fd), key=lambda entry: entry.name)
             for entry in entries:
                 child = join(prefix, entry.name)
                 if entry.is_dir(follow_symlinks=False):
                     try:
-                        below = self._open_directory_at(fd, entry.name, child)
+                        below = open_directory_at(fd, entry.name, child)
                     except FileNotFoundError:
                         continue  # removed while we looked
                     yield from self._walk_at(below, child)
@@ -409,7 +362,7 @@ class LocalBackend(StorageBackend):
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
-                    raise _translate(exc, relative, "delete") from exc
+                    raise translate(exc, relative, "delete") from exc
         except FileNotFoundError:
             pass
 
@@ -422,7 +375,7 @@ class LocalBackend(StorageBackend):
             levels = relative.split("/") if relative else []
             for level in range(len(fds) - 1, depth - 1, -1):
                 where = "/".join(levels[:level]) or "."
-                with _os_errors(where, "fsync the directory"):
+                with os_errors(where, "fsync the directory"):
                     os.fsync(fds[level])
         finally:
             _close_all(fds)
@@ -433,13 +386,13 @@ class LocalBackend(StorageBackend):
             temp = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
             try:
                 _write_durable(directory, temp, relative, data)
-                with _os_errors(relative, "write"):
+                with os_errors(relative, "write"):
                     os.replace(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
             except BaseException:
                 with suppress(OSError):
                     os.unlink(temp, dir_fd=directory)
                 raise
-            with _os_errors(relative.rpartition("/")[0] or ".", "fsync the directory"):
+            with os_errors(relative.rpartition("/")[0] or ".", "fsync the directory"):
                 os.fsync(directory)
 
     def _remove_empty_directories(self, path: str) -> None:
@@ -488,7 +441,7 @@ class LocalBackend(StorageBackend):
                 if existing != data:
                     raise ManifestConflict(f"{relative} already exists with other content", path=relative)
             try:
-                with _os_errors(relative.rpartition("/")[0] or ".", "fsync the directory"):
+                with os_errors(relative.rpartition("/")[0] or ".", "fsync the directory"):
                     os.fsync(directory)
             except StorageError:
                 if created:
@@ -499,13 +452,42 @@ class LocalBackend(StorageBackend):
             return created
 
     def _known_refusal(self, directory: int) -> OSError | None:
-        """The link() refusal an earlier create met on ``directory``'s filesystem, if any."""
-        if not self._without_link:
+        """The link() refusal met earlier on ``directory``'s filesystem, if any."""
+        if not self._links.any_refused:
             return None
         try:
-            return self._without_link.get(os.fstat(directory).st_dev)
+            return self._links.refusal(os.fstat(directory).st_dev)
         except OSError:
             return None  # the create itself reports what is wrong with the storage
+
+    def require_link(self, directory: int, name: str, relative: str) -> None:
+        """Refuse, unless opted in, a filesystem without ``link()`` before a commit writes there.
+
+        ``name`` is a file of ``directory`` (a descriptor; ``relative`` its store-relative path)
+        that the probe links to a second temporary name and unlinks again: the first write on a
+        filesystem asks, later ones use the answer kept per ``st_dev`` (:class:`LinkSupport`).
+        """
+        with os_errors(relative or ".", "stat the directory"):
+            device = os.fstat(directory).st_dev
+        if self._links.decided(device):
+            refused = self._links.refusal(device)
+        else:
+            with os_errors(join(relative, name), "link() a temporary file in"):
+                refused = probe_link_at(directory, name)
+            self._links.record(device, refused)
+        if refused is not None and not self.allow_no_link:
+            raise self._no_link(f"cannot write in {relative or '.'}", relative, relative, refused) from refused
+
+    def _no_link(self, what: str, path: str, directory: str, refused: OSError) -> UnsupportedStorage:
+        where = self.real_path(directory)
+        return UnsupportedStorage(
+            f"{what}: the filesystem of {where} refuses link() ({os.strerror(refused.errno or 0)}), "
+            f"so it lacks {LINK_CAPABILITY}, which keeps racing writers of one manifest from overwriting each "
+            f"other and readers from seeing it half written; set {ALLOW_NO_LINK_ENV}=1 (or pass "
+            "LocalBackend(allow_no_link=True)) to create manifests there with O_EXCL instead",
+            path=path,
+            errno=refused.errno,
+        )
 
     def _read_taken(self, relative: str) -> bytes:
         """The bytes of a name the filesystem just refused as taken."""
@@ -534,7 +516,7 @@ class LocalBackend(StorageBackend):
                 created = False
             except OSError as exc:
                 if not link_unsupported(exc):
-                    raise _translate(exc, relative, "create") from exc
+                    raise translate(exc, relative, "create") from exc
                 refused = exc
         finally:
             try:
@@ -550,16 +532,10 @@ class LocalBackend(StorageBackend):
     ) -> bool:
         """``link()`` was refused: remember that filesystem, then refuse it, or (opted in) create with O_EXCL."""
         with suppress(OSError):
-            self._without_link[os.fstat(directory).st_dev] = refused
+            self._links.record(os.fstat(directory).st_dev, refused)
         if not self.allow_no_link:
-            where = self.real_path(relative.rpartition("/")[0])
-            raise UnsupportedStorage(
-                f"cannot create {relative}: the filesystem of {where} refuses link() ({os.strerror(refused.errno or 0)}), "
-                f"so it lacks {LINK_CAPABILITY}, which keeps racing writers of one manifest from overwriting each "
-                f"other and readers from seeing it half written; set {ALLOW_NO_LINK_ENV}=1 (or pass "
-                "LocalBackend(allow_no_link=True)) to create manifests there with O_EXCL instead",
-                path=relative,
-                errno=refused.errno,
+            raise self._no_link(
+                f"cannot create {relative}", relative, relative.rpartition("/")[0], refused
             ) from refused
         return self._create_exclusive(directory, name, relative, data)
 
@@ -578,9 +554,9 @@ class LocalBackend(StorageBackend):
         except FileExistsError:
             return False
         except OSError as exc:
-            raise _translate(exc, relative, "create") from exc
+            raise translate(exc, relative, "create") from exc
         try:
-            with _os_errors(relative, "write"):
+            with os_errors(relative, "write"):
                 try:
                     _write_all(fd, data)
                     os.fsync(fd)

@@ -279,6 +279,16 @@ class S3Backend(FsspecBackend):
             bucket, key = self.bucket_key(path)
             self.fs.call_s3("delete_object", Bucket=bucket, Key=key)
 
+    def delete_key(self, key: str) -> None:
+        """Delete the object ``key`` (relative to the root) exactly as :meth:`walk_keys` listed it.
+
+        No path normalization: for a key no path names (``ck/gym/../x``) this deletes that object,
+        never the one its normalized path would name. A prune uses it for such keys.
+        """
+        bucket, _, prefix = self.root.partition("/")
+        with self.storage_errors(key, "delete", writing=True):
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=f"{prefix}/{key}" if prefix else key)
+
     # --- reading
 
     def open_read(self, path: str) -> BinaryIO:

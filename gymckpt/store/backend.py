@@ -3,7 +3,11 @@
 Paths are relative to the backend's root, ``/``-separated, and never escape it
 (:func:`safe_relative_path`). A backend states what it can do as properties instead of
 pretending: object storage has no directory fsync, and a store that cannot create a
-file only if it is absent cannot publish a manifest safely.
+file only if it is absent cannot publish a manifest safely. Where a capability can only be
+learnt from the storage itself (a local mount without ``link()``), the backend asks before a
+commit writes its first byte there and keeps the answer: :meth:`StorageBackend.open_sink`
+refuses such a directory with :class:`~gymckpt.errors.UnsupportedStorage`, and
+``supports_conditional_create`` turns False from then on.
 
 Only regular files are state: a backend that can meet symlinks, FIFOs or devices (the
 local one) never follows or opens them, refuses them with
@@ -111,7 +115,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def open_sink(self, directory: str) -> BlobSink:
-        """Start a streamed write in ``directory`` (created as needed)."""
+        """Start a streamed write in ``directory`` (created as needed).
+
+        Raises :class:`~gymckpt.errors.UnsupportedStorage`, before anything is written, when the
+        directory's storage lacks a capability publishing there needs.
+        """
 
     @abstractmethod
     def open_read(self, path: str) -> BinaryIO:
@@ -201,4 +209,4 @@ class StorageBackend(ABC):
             yield child, EntryKind.FILE
 
     def close(self) -> None:
-        """Release what the backend holds (connections, an owned filesystem)."""
+        """Release what the backend holds (connections, an owned filesystem, the local root's descriptor)."""

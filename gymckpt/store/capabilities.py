@@ -5,7 +5,12 @@ written and fsynced in full, gets the final name only if no file has it, in one 
 shared filesystem's server decides (MooseFS's master, an NFS server), so two hosts racing
 for one manifest cannot both win and no reader sees it half written. Some mounts have no
 ``link()`` at all (s3fs and other object-store FUSE mounts, vfat): :func:`link_unsupported`
-recognises that refusal and :func:`probe_link` asks a directory ahead of time.
+recognises that refusal, and :class:`LinkSupport` is what a backend knows of each filesystem
+(``st_dev``) it writes to. The local backend asks once per filesystem, before the first byte of a
+commit lands there: it ``link()``s the commit's own temporary file, still empty, to a second
+temporary name and removes that name (:func:`probe_link_at`), so a mount without ``link()`` is
+refused before any records file is written, and the answer is kept for the backend's lifetime.
+:func:`probe_link` asks a directory by path (a diagnostic; it creates its own empty file).
 
 Such a mount is refused with :class:`~gymckpt.errors.UnsupportedStorage` unless the user
 opts in (``LocalBackend(root, allow_no_link=True)`` or ``GYMCKPT_ALLOW_NO_LINK=1``); the
@@ -18,6 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import threading
 from contextlib import suppress
 
 from gymckpt.store.layout import TEMP_PREFIX
@@ -26,9 +32,11 @@ __all__ = [
     "ALLOW_NO_LINK_ENV",
     "LINK_CAPABILITY",
     "NO_LINK_ERRNOS",
+    "LinkSupport",
     "allow_no_link_from_environment",
     "link_unsupported",
     "probe_link",
+    "probe_link_at",
 ]
 
 #: the capability a filesystem without link() lacks, as error messages name it
@@ -81,3 +89,54 @@ def probe_link(directory: str) -> bool | None:
         for leftover in (target, source):
             with suppress(OSError):
                 os.unlink(leftover)
+
+
+def probe_link_at(directory: int, name: str) -> OSError | None:
+    """``link()`` the file ``name`` of ``directory`` (a descriptor) to a fresh temporary name, then remove
+    that name: None when the filesystem links, its refusal when it has no ``link()``.
+
+    Any other error (EIO, ENOSPC) is raised: the storage failed, and nothing is decided.
+    """
+    target = f"{TEMP_PREFIX}{secrets.token_hex(8)}.link-probe"
+    try:
+        os.link(name, target, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
+    except OSError as exc:
+        if link_unsupported(exc):
+            return exc
+        raise
+    with suppress(OSError):  # a name left behind is a leftover temporary file, which verify reports
+        os.unlink(target, dir_fd=directory)
+    return None
+
+
+class LinkSupport:
+    """Whether ``link()`` works on each filesystem (``st_dev``) one backend met: decided once, then kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._linking: set[int] = set()
+        self._refused: dict[int, OSError] = {}
+
+    def decided(self, device: int) -> bool:
+        """True when ``device``'s answer is known."""
+        with self._lock:
+            return device in self._linking or device in self._refused
+
+    def refusal(self, device: int) -> OSError | None:
+        """The ``link()`` refusal met on ``device``, if one was."""
+        with self._lock:
+            return self._refused.get(device)
+
+    def record(self, device: int, refused: OSError | None) -> None:
+        """Keep what ``link()`` did on ``device``: worked (None) or was refused (its error)."""
+        with self._lock:
+            if refused is None:
+                self._linking.add(device)
+            else:
+                self._refused[device] = refused
+
+    @property
+    def any_refused(self) -> bool:
+        """True once some filesystem under the backend refused ``link()``."""
+        with self._lock:
+            return bool(self._refused)

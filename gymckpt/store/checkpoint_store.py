@@ -43,7 +43,7 @@ def backend_for_url(url: str, **storage_options: Any) -> StorageBackend:
         from gymckpt.store._s3 import S3Backend
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise UnsupportedStorage(
-            f"{url!r} needs the object-storage backend: pip install 'gymckpt[s3]' ({exc})"
+            f"{url!r} needs the object-storage backend: pip install -e '.[s3]' in the gymckpt clone ({exc})"
         ) from exc
     if S3Backend.handles(url):
         return S3Backend(url, **storage_options)

@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
-from gymckpt.errors import InvalidRecord, NotJSONError, RecordUndecodable
+from gymckpt.errors import DuplicateKey, InvalidRecord, NotJSONError, RecordUndecodable
 from gymckpt.identity import episode_key
 from gymckpt.store import _walks
 from gymckpt.store._walks import ACCELERATED
+from gymckpt.store.bounds import RepeatedKey, check_document_cost, keys_repeated, unique_pairs
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -350,22 +351,42 @@ def is_exact_line(line: bytes | memoryview) -> bool:
 
 
 def decode_line(line: bytes | memoryview) -> dict[str, Any]:
-    """Decode one records line (with or without its newline) into its record."""
+    """Decode one records line (with or without its newline) into its record.
+
+    A line holding a key twice in one object is damage (decoders keep the last, other readers the first).
+    """
+    data = line if type(line) is bytes else bytes(line)
     try:
-        if line[:15] == EXACT_PREFIX:
-            data = bytes(line)
+        if data[:15] == EXACT_PREFIX:
             try:
                 record = json.loads(data)
             except (ValueError, RecursionError):  # an integer beyond the digit limit, or deep: again, without limits
                 with _exact_context():
                     record = json.loads(data)
         else:
-            record = orjson.loads(line)
+            record = orjson.loads(data)
     except (ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise RecordUndecodable(f"line is not JSON: {exc}") from exc
     if type(record) is not dict or next(iter(record), None) != "episode_id":
         raise RecordUndecodable("line is not a JSON object whose first key is 'episode_id'")
+    _refuse_repeated_keys(data, record)
     return record
+
+
+def _refuse_repeated_keys(data: bytes, record: dict[str, Any]) -> None:
+    """Raise :class:`RecordUndecodable` when an object of the line ``data`` holds a key twice, naming it."""
+    repeated = keys_repeated(data, record)
+    if repeated is False:
+        return
+    try:
+        with _exact_context():  # the line decoded before, big integers and deep nesting included
+            json.loads(data, object_pairs_hook=unique_pairs)
+    except RepeatedKey as exc:
+        raise RecordUndecodable(f"line holds the key {exc.key!r} twice in one object") from exc
+    except (ValueError, RecursionError):
+        pass
+    if repeated:
+        raise RecordUndecodable("line holds a key twice in one object")
 
 
 def decode_line_and_id(line: bytes | memoryview) -> tuple[str, dict[str, Any]]:
@@ -472,9 +493,11 @@ def _decode_exact(data: bytes | memoryview) -> object:
 
 
 def _decode_reference_line(line: bytes | memoryview) -> dict[str, Any]:
-    record = _decode_exact(line)
+    data = line if type(line) is bytes else bytes(line)
+    record = _decode_exact(data)
     if type(record) is not dict or "episode_id" not in record:
         raise RecordUndecodable("line is not a JSON object with an 'episode_id'")
+    _refuse_repeated_keys(data, record)
     return record
 
 
@@ -559,11 +582,19 @@ def encode_document(document: dict[str, Any]) -> bytes:
     return _exact_dumps(document, depth, indent=2).encode("ascii") + b"\n"
 
 
-def decode_document(data: bytes) -> object:
+def decode_document(data: bytes, *, path: str = "", participant: str = "", what: str = "document") -> object:
     """Decode a JSON document: one :func:`encode_document` wrote, or any other encoding of it
-    (the reference's sorted keys, ``indent=1``, no trailing newline). Raises ``ValueError``."""
+    (the reference's sorted keys, ``indent=1``, no trailing newline). Raises ``ValueError``, and
+    (naming ``path``) :class:`~gymckpt.errors.DocumentTooComplex` before decoding one over the
+    parse budget (:mod:`gymckpt.store.bounds`) and :class:`~gymckpt.errors.DuplicateKey`.
+    """
+    check_document_cost(data, path=path, participant=participant, what=what)
     try:
         with _exact_context():
-            return json.loads(data)
+            return json.loads(data, object_pairs_hook=unique_pairs)
+    except RepeatedKey as exc:
+        raise DuplicateKey(
+            f"{what} holds the key {exc.key!r} twice in one object", path=path, participant=participant
+        ) from exc
     except RecursionError as exc:
         raise ValueError(f"nesting deeper than {MAX_DEPTH} levels") from exc

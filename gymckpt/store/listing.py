@@ -1,25 +1,141 @@
-"""What ``gymckpt inspect`` lists: the participants verify and restore find, one row each."""
+"""What lies under a store's root, as ``verify`` and ``inspect`` see it, and the rows ``inspect`` lists.
+
+:func:`list_store` is the one listing both start from: the checkpoints :func:`scan_checkpoints`
+finds (restore finds the same participants), minus the hidden directories a prune is deleting
+(:data:`~gymckpt.store.pruning.PRUNING_PREFIX`), plus the object keys no store-relative path
+names (``a//b``, ``a/./b``, ``a/../b``): no reader of gymckpt reads those, and ``verify``
+reports each one (:func:`place_unaddressable`) rather than skip it.
+"""
 
 from __future__ import annotations
 
+import posixpath
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import InvalidCheckpointState
-from gymckpt.store.layout import MANIFEST_NAME, participant_directory, scan_checkpoints
+from gymckpt.store.backend import EntryKind
+from gymckpt.store.layout import (
+    GYM_DIR,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    is_readable_name,
+    is_records_name,
+    participant_directory,
+    scan_checkpoints,
+)
 from gymckpt.store.participant import read_manifest_file
+from gymckpt.store.printable import json_text
+from gymckpt.store.pruning import is_pruning_name
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterable, Iterator
 
     from gymckpt.store.backend import StorageBackend
     from gymckpt.store.layout import CheckpointLayout
 
-__all__ = ["list_checkpoints", "participant_rows"]
+__all__ = [
+    "StoreListing",
+    "KeyPlacement",
+    "list_checkpoints",
+    "list_store",
+    "participant_rows",
+    "place_unaddressable",
+    "walk_store",
+]
+
+
+@dataclass(frozen=True)
+class KeyPlacement:
+    """An object key no store-relative path names, and where a tool that maps keys to paths would put it."""
+
+    #: the key relative to the store's root, exactly as listed
+    key: str
+    #: the checkpoint it belongs to once normalized ("" when none: the root's own, or outside every ``gym/``)
+    checkpoint: str
+    #: the store-relative path a tool that normalizes keys would read it as
+    normalized: str
+    #: True when that path is checkpoint state (an index, a manifest, a records file) or leaves the root
+    misleading: bool
+
+
+@dataclass
+class StoreListing:
+    """The checkpoints under a root and the keys no path names."""
+
+    checkpoints: dict[str, CheckpointLayout]
+    unaddressable: list[str] = field(default_factory=list)
+
+
+def _being_pruned(path: str) -> bool:
+    """True for a path inside a directory a prune renamed for deletion (before its checkpoint's ``gym/``)."""
+    for part in path.split("/"):
+        if part == GYM_DIR:
+            return False
+        if is_pruning_name(part):
+            return True
+    return False
+
+
+def walk_store(backend: StorageBackend, path: str = "") -> tuple[list[tuple[str, EntryKind]], list[str]]:
+    """Every entry under ``path``, and the keys no path names (from a backend that lists such keys, and
+    without logging them: the caller reports them)."""
+    walk_keys = getattr(backend, "walk_keys", None)  # object storage: keys are not paths
+    if walk_keys is None:
+        return list(backend.walk_entries(path)), []
+    entries: list[tuple[str, EntryKind]] = []
+    unaddressable: list[str] = []
+    for key, addressable in walk_keys(path):
+        if addressable:
+            entries.append((key, EntryKind.FILE))
+        else:
+            unaddressable.append(key)
+    return entries, unaddressable
+
+
+def list_store(backend: StorageBackend) -> StoreListing:
+    """Every checkpoint under the backend's root, found by the one scan verify and restore use (module docstring)."""
+    entries, unaddressable = walk_store(backend)
+    kept = [(path, kind) for path, kind in entries if not _being_pruned(path)]
+    odd = [key for key in unaddressable if not _being_pruned(posixpath.normpath(key).lstrip("/"))]
+    return StoreListing(scan_checkpoints(kept), odd)
 
 
 def list_checkpoints(backend: StorageBackend) -> dict[str, CheckpointLayout]:
-    """Every checkpoint under the backend's root, found by the one scan verify and restore use."""
-    return scan_checkpoints(backend.walk_entries(""))
+    """Every checkpoint under the backend's root (:func:`list_store`'s checkpoints)."""
+    return list_store(backend).checkpoints
+
+
+def _at_state(rest: list[str]) -> bool:
+    """True when a path below ``gym/`` is where checkpoint state lies: the index, a manifest, a records file."""
+    if rest == [INDEX_NAME]:
+        return True
+    return (
+        len(rest) == 3
+        and is_readable_name(rest[0])
+        and is_readable_name(rest[1])
+        and (rest[2] == MANIFEST_NAME or is_records_name(rest[2]))
+    )
+
+
+def place_unaddressable(key: str, checkpoints: Iterable[str]) -> KeyPlacement:
+    """Where ``key`` lands once normalized as a path, which checkpoint it belongs to, and whether it misleads.
+
+    A tool that maps keys to file paths (a sync to a filesystem, a reader that normalizes paths)
+    reads ``a/./b`` and ``a//b`` as ``a/b``; a key that lands on checkpoint state or outside the
+    root could then be read in place of, or beside, what verify checked.
+    """
+    normalized = posixpath.normpath(key) if key else "."
+    leaves_root = normalized.startswith("/") or normalized == ".." or normalized.startswith("../")
+    parts = normalized.lstrip("/").split("/")
+    known = set(checkpoints)
+    gyms = [index for index, part in enumerate(parts) if part == GYM_DIR]
+    # the shallowest checkpoint the scan found, else the shallowest gym/ (as scan_checkpoints decides)
+    chosen = next((index for index in gyms if "/".join(parts[:index]) in known), gyms[0] if gyms else None)
+    if chosen is None:
+        return KeyPlacement(key, "", normalized, leaves_root)
+    at_state = _at_state(parts[chosen + 1 :])
+    return KeyPlacement(key, "/".join(parts[:chosen]), normalized, leaves_root or at_state)
 
 
 def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointLayout]) -> Iterator[dict[str, Any]]:
@@ -27,16 +143,17 @@ def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointL
 
     Manifests are read by the same bounded, validating read a restore uses; records are not read.
     A reference-format manifest claims no size and lists no episodes: ``records_bytes`` and
-    ``episode_ids`` are None in its row.
+    ``episode_ids`` are None in its row. The checkpoint's name is given as :func:`json_text` makes
+    it (a byte of a directory name that is not UTF-8 as ``\\xNN``).
     """
     for checkpoint, layout in checkpoints.items():
         for kind, instance in sorted(layout.participants):
             path = f"{participant_directory(checkpoint, kind, instance)}/{MANIFEST_NAME}"
-            row: dict[str, Any] = {"checkpoint": checkpoint, "participant": f"{kind}/{instance}"}
+            row: dict[str, Any] = {"checkpoint": json_text(checkpoint), "participant": f"{kind}/{instance}"}
             try:
                 manifest = read_manifest_file(backend, path, kind=kind, instance=instance)
             except InvalidCheckpointState as exc:
-                row["damaged"] = f"{exc.problem}: {exc.reason}"
+                row["damaged"] = f"{exc.problem}: {json_text(exc.reason)}"
             except FileNotFoundError:
                 row["damaged"] = "no manifest (unfinished commit)"
             else:

@@ -4,7 +4,10 @@ Two formats are read; gymckpt writes only its own.
 
 - **gymckpt** (:data:`GYMCKPT_FORMAT`): the reference's fields plus ``records_bytes``,
   ``episode_ids`` (sorted) and ``writer``. Every check applies: the records file is named
-  ``records-<records_sha256>.jsonl``, its size and episode ids match.
+  ``records-<records_sha256>.jsonl``, its size and episode ids match. Since Hardening II it
+  also holds ``max_record_bytes``, the size of its longest records line (newline included),
+  which bounds what a reader holds of one line (:mod:`gymckpt.store.bounds`); manifests of
+  earlier versions lack it and are read with the documented cap instead.
 - **reference** (:data:`REFERENCE_FORMAT`): written by the reference stack, without those
   three fields; any JSON object encoding (it writes sorted keys, ``indent=1``, no trailing
   newline). Its records file may also carry the legacy name ``records.jsonl``, and its
@@ -14,7 +17,10 @@ Two formats are read; gymckpt writes only its own.
 A manifest holding some but not all of ``records_bytes``, ``episode_ids`` and ``writer``
 is neither: gymckpt writes all three and the reference none, so it is damage
 (:class:`~gymckpt.errors.ManifestFieldInvalid`). So is a reference participant extra field
-that happens to use one of those names.
+that happens to use one of those names, or ``max_record_bytes``.
+
+Manifests are decoded under a budget and refused with a key twice in one object
+(:func:`~gymckpt.store.codec.decode_document`).
 
 Both formats require ``schema_version`` 1, the kind and instance of the directory, and a
 ``checkpoint_id`` matching the checkpoint-id rule (the reference's control plane enforces
@@ -32,6 +38,7 @@ from typing import Any
 from gymckpt._version import __version__
 from gymckpt.errors import (
     DuplicateEpisode,
+    InvalidCheckpointState,
     ManifestFieldInvalid,
     ManifestNotJSON,
     ManifestNotObject,
@@ -86,7 +93,9 @@ _COMMON: dict[str, type] = {
 #: gymckpt's own fields: all present (gymckpt format) or none (reference format)
 _GYMCKPT_ONLY: dict[str, type] = {"records_bytes": int, "episode_ids": list, "writer": str}
 GYMCKPT_ONLY_FIELDS = tuple(_GYMCKPT_ONLY)
-RESERVED_FIELDS = frozenset(_COMMON) | frozenset(_GYMCKPT_ONLY)
+#: gymckpt's fields that its earlier versions did not write: optional in the gymckpt format, absent from the reference's
+_GYMCKPT_LATER: dict[str, type] = {"max_record_bytes": int}
+RESERVED_FIELDS = frozenset(_COMMON) | frozenset(_GYMCKPT_ONLY) | frozenset(_GYMCKPT_LATER)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -108,6 +117,8 @@ class Manifest:
     episode_ids: tuple[str, ...] | None = None
     writer: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the longest records line in bytes, newline included (None: a reference manifest, or an earlier gymckpt's)
+    max_record_bytes: int | None = None
     #: store-relative path of the manifest file
     path: str = ""
     raw: bytes = b""
@@ -161,6 +172,8 @@ class Manifest:
         }
         if not self.is_reference:
             values["records_bytes"] = self.records_bytes
+            if self.max_record_bytes is not None:
+                values["max_record_bytes"] = self.max_record_bytes
             values["episode_ids"] = list(self.episode_ids or ())
         values.update(self.extra)
         if not self.is_reference:
@@ -181,8 +194,13 @@ class Manifest:
         records_bytes: int,
         episode_ids: list[str],
         extra: dict[str, Any] | None,
+        max_record_bytes: int | None = None,
     ) -> Manifest:
-        """A new manifest with its bytes; the same arguments always give the same bytes."""
+        """A new manifest with its bytes; the same arguments always give the same bytes.
+
+        ``max_record_bytes`` is the longest records line (newline included) as the writer
+        measured it; None writes a manifest without it, as gymckpt before Hardening II did.
+        """
         extra = dict(extra or {})
         clashing = sorted(RESERVED_FIELDS.intersection(extra))
         if clashing:
@@ -198,6 +216,7 @@ class Manifest:
             episode_ids=tuple(sorted(episode_ids)),
             writer=f"gymckpt {__version__}",
             extra=extra,
+            max_record_bytes=max_record_bytes,
             path=join(directory, MANIFEST_NAME),
         )
         return _with_raw(manifest, encode_document(manifest.to_document()))
@@ -211,7 +230,9 @@ class Manifest:
         instance = instance if instance is not None else expected_instance
         where = {"path": path, "participant": f"{kind}/{instance}"}
         try:
-            document = decode_document(raw)
+            document = decode_document(raw, what="manifest", **where)
+        except InvalidCheckpointState:
+            raise  # over the parse budget, or a key twice: named already
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestNotJSON(f"manifest is not JSON: {exc}", **where) from exc
         if type(document) is not dict:
@@ -227,6 +248,7 @@ class Manifest:
         _check_types(document, _COMMON if reference else _COMMON | _GYMCKPT_ONLY, where)
         if not reference:
             _check_episode_ids(document["episode_ids"], where)
+            _check_max_record_bytes(document, where)
         if not is_valid_name(document["checkpoint_id"]):
             raise ManifestFieldInvalid(
                 f"manifest checkpoint_id {document['checkpoint_id']!r} is not a valid id", **where
@@ -249,6 +271,7 @@ class Manifest:
             episode_ids=None if reference else tuple(document["episode_ids"]),
             writer=None if reference else document["writer"],
             extra=extra,
+            max_record_bytes=None if reference else document.get("max_record_bytes"),
             path=path,
             key_order=tuple(document),
         )
@@ -259,6 +282,13 @@ def _is_reference(document: dict[str, Any], where: dict[str, str]) -> bool:
     """True for a reference-format manifest (none of gymckpt's own fields); refuse one with some of them."""
     present = [name for name in _GYMCKPT_ONLY if name in document]
     if not present:
+        later = [name for name in _GYMCKPT_LATER if name in document]
+        if later:
+            raise ManifestFieldInvalid(
+                f"manifest has {', '.join(later)} but none of {', '.join(_GYMCKPT_ONLY)}: a reference manifest has "
+                "no gymckpt field, so this one is neither",
+                **where,
+            )
         return True
     if len(present) < len(_GYMCKPT_ONLY):
         missing = [name for name in _GYMCKPT_ONLY if name not in document]
@@ -282,6 +312,20 @@ def _check_types(document: dict[str, Any], required: dict[str, type], where: dic
     for name in ("record_count", "records_bytes"):
         if name in required and document[name] < 0:
             raise ManifestFieldInvalid(f"manifest field {name} is negative", **where)
+
+
+def _check_max_record_bytes(document: dict[str, Any], where: dict[str, str]) -> None:
+    """The longest line a gymckpt manifest claims, where it claims one: an int within its records file."""
+    if "max_record_bytes" not in document:
+        return  # written before Hardening II: readers fall back to the documented cap
+    value = document["max_record_bytes"]
+    if type(value) is not int:
+        raise ManifestFieldInvalid(f"manifest field max_record_bytes is a {type(value).__name__}, not int", **where)
+    if not 0 <= value <= document["records_bytes"]:
+        raise ManifestFieldInvalid(
+            f"manifest field max_record_bytes {value} is not between 0 and records_bytes {document['records_bytes']}",
+            **where,
+        )
 
 
 def _check_episode_ids(episode_ids: list[Any], where: dict[str, str]) -> None:

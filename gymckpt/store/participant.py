@@ -6,7 +6,6 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import (
-    FileTooLarge,
     GymckptError,
     InvalidCheckpointState,
     ManifestConflict,
@@ -16,7 +15,7 @@ from gymckpt.errors import (
     RecordsSizeMismatch,
     StorageError,
 )
-from gymckpt.store.backend import read_limited
+from gymckpt.store.bounds import line_limit, read_document_bytes
 from gymckpt.store.layout import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -80,6 +79,7 @@ def commit_participant(
             records_bytes=summary.size,
             episode_ids=summary.episode_ids,
             extra=extra,
+            max_record_bytes=summary.max_record_bytes,
         )
         with stop.held() if stop is not None else nullcontext():
             if stop is not None:
@@ -100,7 +100,7 @@ def commit_participant(
 
 def _remove_losing_records(backend: StorageBackend, ours: Manifest) -> None:
     try:
-        winner = Manifest.parse(backend.read_bytes(ours.path), path=ours.path)
+        winner = read_manifest_file(backend, ours.path, kind=ours.kind, instance=ours.instance)
     except (InvalidCheckpointState, OSError):
         return  # the published manifest is unreadable: leave both for verify to report
     if winner.records_file != ours.records_file:
@@ -108,20 +108,15 @@ def _remove_losing_records(backend: StorageBackend, ours: Manifest) -> None:
 
 
 def read_manifest_file(backend: StorageBackend, path: str, *, kind: str, instance: str) -> Manifest:
-    """Read (at most :data:`MAX_MANIFEST_BYTES` + 1 bytes) and validate the manifest at ``path``.
+    """Read and validate the manifest at ``path``.
 
-    Raises ``FileNotFoundError`` when there is none, and a typed
-    :class:`~gymckpt.errors.InvalidCheckpointState` on any damage.
+    One over :data:`MAX_MANIFEST_BYTES` is refused unread (:class:`~gymckpt.errors.FileTooLarge`,
+    from its size), no read takes more than that and a byte, and decoding runs under the parse
+    budget (:mod:`gymckpt.store.bounds`). Raises ``FileNotFoundError`` when there is none, and
+    a typed :class:`~gymckpt.errors.InvalidCheckpointState` on any damage.
     """
     participant = f"{kind}/{instance}"
-    try:
-        raw = read_limited(backend, path, MAX_MANIFEST_BYTES)
-    except NotRegularFile as exc:
-        raise NotRegularFile(exc.reason, path=exc.path, participant=participant) from exc
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise FileTooLarge(
-            f"manifest is larger than {MAX_MANIFEST_BYTES} bytes: refused unread", path=path, participant=participant
-        )
+    raw = read_document_bytes(backend, path, MAX_MANIFEST_BYTES, participant=participant, what="manifest")
     return Manifest.parse(raw, path=path, kind=kind, instance=instance)
 
 
@@ -155,6 +150,7 @@ def expected_records(manifest: Manifest) -> RecordsCheck:
         count=manifest.record_count,
         episode_ids=manifest.episode_ids,
         reference=manifest.is_reference,
+        line_limit=line_limit(manifest.max_record_bytes, manifest.records_bytes),
     )
 
 

@@ -16,13 +16,13 @@ from gymckpt._version import __version__
 from gymckpt.errors import (
     CheckpointIdMismatch,
     CheckpointIndexInvalid,
-    FileTooLarge,
     IndexDigestMismatch,
     IndexParticipantMissing,
     IndexParticipantUnlisted,
     InvalidCheckpointState,
 )
 from gymckpt.store.backend import join, read_limited
+from gymckpt.store.bounds import read_document_bytes
 from gymckpt.store.codec import decode_document, encode_document
 from gymckpt.store.layout import (
     INDEX_NAME,
@@ -172,11 +172,9 @@ def read_index(backend: StorageBackend, checkpoint_dir: str, *, check_manifests:
 
 
 def read_index_file(backend: StorageBackend, path: str) -> CheckpointIndex:
-    """Read (at most :data:`MAX_INDEX_BYTES` + 1 bytes) and validate the index at ``path``."""
-    raw = read_limited(backend, path, MAX_INDEX_BYTES)
-    if len(raw) > MAX_INDEX_BYTES:
-        raise FileTooLarge(f"checkpoint.json is larger than {MAX_INDEX_BYTES} bytes: refused unread", path=path)
-    return parse_index(raw, path=path)
+    """Read and validate the index at ``path``: one over :data:`MAX_INDEX_BYTES` is refused unread
+    (:class:`~gymckpt.errors.FileTooLarge`, from its size), and no read takes more than that and a byte."""
+    return parse_index(read_document_bytes(backend, path, MAX_INDEX_BYTES, what="checkpoint.json"), path=path)
 
 
 def index_problems(
@@ -254,7 +252,9 @@ def parse_index(raw: bytes, *, path: str) -> CheckpointIndex:
         return CheckpointIndexInvalid(detail, path=path)
 
     try:
-        document = decode_document(raw)
+        document = decode_document(raw, path=path, what="checkpoint.json")
+    except InvalidCheckpointState:
+        raise  # over the parse budget, or a key twice: named already
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"checkpoint.json is not JSON: {exc}") from exc
     if type(document) is not dict:

@@ -5,7 +5,10 @@ worker thread hashes and writes full chunks (hashlib and file I/O release the GI
 both cores work. The chunks are a few buffers used over and over: a sink's ``write``
 must copy what it keeps of one (every backend's does). Reading mirrors it: a worker
 thread reads and hashes chunks while the caller's thread splits lines and decodes only
-the records in scope. Memory stays bounded by a few chunks plus the largest record.
+the records in scope. Memory stays bounded by a few chunks plus the largest record: the
+writer measures its longest line (the manifest's ``max_record_bytes``) and a reader holds
+no line longer than its :attr:`RecordsCheck.line_limit` (:mod:`gymckpt.store.bounds`),
+whatever the bytes on disk.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from gymckpt.errors import (
     WriteStopped,
 )
 from gymckpt.store import codec
+from gymckpt.store.bounds import MAX_LINE_BYTES
 from gymckpt.store.codec import (
     EncodedRecord,
     check_encoded,
@@ -41,13 +45,15 @@ from gymckpt.store.codec import (
     reference_episode_id_of_line,
 )
 from gymckpt.store.handoffs import quick_handoffs
+from gymckpt.store.lines import TOO_LONG, counted, decode_every_line, lines_of, too_long
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Collection, Generator, Iterable, Iterator
+    from collections.abc import Callable, Collection, Iterable, Iterator
     from typing import BinaryIO
 
     from gymckpt.errors import InvalidCheckpointState
     from gymckpt.store.backend import BlobSink
+    from gymckpt.store.lines import LineDamage
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -114,6 +120,8 @@ class RecordsSummary:
     size: int
     count: int
     episode_ids: list[str] = field(default_factory=list)
+    #: the longest line in bytes, newline included (the manifest's ``max_record_bytes``)
+    max_record_bytes: int = 0
 
 
 class _ChunkWriter(threading.Thread):
@@ -188,6 +196,7 @@ def _write_chunks(
     append_lines = codec._append_lines  # and this loop's, for a run of such records
     seen: set[str] = set()
     episode_ids: list[str] = []
+    longest = 0
     # lines are copied into the chunk at once: orjson's output of a long string keeps a
     # worst-case allocation of several times its length for as long as the bytes live
     batch = writer.empty_buffer()
@@ -200,7 +209,9 @@ def _write_chunks(
             if stop is not None and stop.stopped:
                 stop.check()
             if append_lines is not None:
-                filled, ended, record = append_lines(pending, batch, filled, target, seen, episode_ids)
+                filled, ended, record, longest = append_lines(
+                    pending, batch, filled, target, seen, episode_ids, longest
+                )
                 if ended:
                     break
                 left_to_python = filled < target  # else the chunk is full
@@ -219,6 +230,7 @@ def _write_chunks(
                     raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
                 seen.add(episode_id)
                 episode_ids.append(episode_id)
+                longest = max(longest, len(line))
                 end = filled + len(line)
                 if end <= len(batch):
                     batch[filled:end] = line  # in place: a buffer used before keeps its size
@@ -244,7 +256,7 @@ def _write_chunks(
         writer.join()
     if writer.error is not None:
         raise writer.error
-    return RecordsSummary(writer.hasher.hexdigest(), writer.size, len(episode_ids), episode_ids)
+    return RecordsSummary(writer.hasher.hexdigest(), writer.size, len(episode_ids), episode_ids, longest)
 
 
 class _ChunkReader(threading.Thread):
@@ -373,118 +385,13 @@ class RecordsCheck:
     episode_ids: tuple[str, ...] | None
     #: the file is in the reference's format: its lines are read by the reference decoder
     reference: bool = False
+    #: the longest line held, newline included (:func:`gymckpt.store.bounds.line_limit`); a longer one is damage
+    line_limit: int = MAX_LINE_BYTES
 
     def fail(
         self, error: type[InvalidCheckpointState], detail: str, *, in_manifest: bool = False
     ) -> InvalidCheckpointState:
         return error(detail, path=self.manifest_path if in_manifest else self.path, participant=self.participant)
-
-
-def _lines(chunks: Iterable[bytes]) -> Iterator[list[bytes | memoryview]]:
-    """Group the lines of a byte stream per chunk; a line spanning chunks is joined once."""
-    carry: list[bytes] = []
-    for chunk in chunks:
-        view = memoryview(chunk)
-        lines: list[bytes | memoryview] = []
-        start = 0
-        if carry:
-            end = chunk.find(b"\n")
-            if end < 0:
-                carry.append(chunk)
-                continue
-            carry.append(chunk[:end])
-            lines.append(b"".join(carry))
-            carry = []
-            start = end + 1
-        while (end := chunk.find(b"\n", start)) >= 0:
-            lines.append(view[start:end])
-            start = end + 1
-        if start < len(chunk):
-            carry.append(chunk[start:])
-        yield lines
-    if carry:
-        yield [b"".join(carry)]  # a last line without its newline: the size or digest check reports it
-
-
-#: bytes of lines one call of the C line loop decodes: its records are held until they are yielded
-_DECODE_BATCH = 256 << 10
-
-
-def _decode_left(
-    line: bytes | memoryview, line_number: int, episode_ids: list[str]
-) -> tuple[dict[str, Any] | None, str | None]:
-    """A line the C loop left (an exact or damaged one), decoded by the Python code.
-
-    ``(record, None)``, its id appended to ``episode_ids``; or ``(None, "line N: why")`` when it is damaged.
-    """
-    try:
-        episode_id, record = decode_line_and_id(line)
-    except RecordUndecodable as exc:
-        return None, f"line {line_number}: {exc.reason}"
-    episode_ids.append(episode_id)
-    return record, None
-
-
-def _decode_every_line(
-    chunks: Iterable[bytes], episode_ids: list[str], progress: Callable[[int], None] | None
-) -> Generator[dict[str, Any], None, tuple[int, str | None]]:
-    """Yield every line's record, runs of fast lines decoded in one C call (``_exact.decode_lines``).
-
-    The ids go to ``episode_ids`` in file order. Returns how many lines there were and,
-    when one could not be decoded, which and why; the lines after it are counted, not decoded.
-    """
-    decode_lines = codec._decode_fast_lines
-    assert decode_lines is not None
-    line_number = 0
-    damage: str | None = None
-    record: dict[str, Any] | None = None
-    carry: list[bytes] = []
-    for read in chunks:
-        chunk = read if type(read) is bytes else bytes(read)
-        if progress is not None:
-            progress(len(chunk))
-        start = 0
-        if carry:  # the line the chunks before began
-            end = chunk.find(b"\n")
-            if end < 0:
-                carry.append(chunk)
-                continue
-            carry.append(chunk[:end])
-            line_number += 1
-            if damage is None:
-                record, damage = _decode_left(b"".join(carry), line_number, episode_ids)
-                if record is not None:
-                    yield record
-            carry = []
-            start = end + 1
-        while damage is None:
-            records, position = decode_lines(chunk, start, _DECODE_BATCH, episode_ids)
-            if records:
-                line_number += len(records)
-                start = position
-                yield from records
-                continue
-            end = chunk.find(b"\n", start)  # a line the C loop left to this code, or none left
-            if end < 0:
-                break
-            line_number += 1
-            with memoryview(chunk) as view:
-                record, damage = _decode_left(view[start:end], line_number, episode_ids)
-            if record is not None:
-                yield record
-            start = end + 1
-        if damage is not None:  # count the rest
-            line_number += chunk.count(b"\n", start)
-            start = chunk.rfind(b"\n", start) + 1 or start
-        if start < len(chunk):
-            carry.append(chunk[start:])
-    if carry:  # a last line without its newline: decoded as before, the caller reports the missing newline
-        line_number += 1
-        if damage is None:
-            record, damage = _decode_left(b"".join(carry), line_number, episode_ids)
-            if record is not None:
-                yield record
-    return line_number, damage
 
 
 def read_records(
@@ -504,6 +411,13 @@ def read_records(
     records before the iteration finished. Out-of-scope lines are hashed and counted
     but not decoded unless ``decode_all``. While the iterator is open the cyclic GC is
     paused (:func:`paused_gc`); it resumes when the iterator ends, is closed or dropped.
+
+    No line longer than ``expected.line_limit`` is held: it is damage
+    (:class:`~gymckpt.errors.RecordTooLong`), and the file is still read and hashed to its
+    end. Damage of the file as a whole wins over damage of its lines: the size, then the
+    digest, then the first damaged line (too long, undecodable, a key twice, no final
+    newline), then an episode on two lines, the count and the episode ids. A file of zeros
+    (what a crash can leave) is so a digest mismatch, not a line too long.
     """
     # a file longer than its manifest claims is read one byte further, no more; without a claim, to its end
     reader = _ChunkReader(stream, chunk_size, _UNBOUNDED if expected.size is None else expected.size + 1)
@@ -516,20 +430,23 @@ def read_records(
     )
     # every line of gymckpt's own format decoded: each id is read from its record, no line is read twice
     whole = scope is None and not expected.reference
+    limit = expected.line_limit
     episode_ids: list[str] = []
-    undecodable: str | None = None
+    damage: LineDamage | None = None
     line_number = 0
+    chunks = reader.chunks() if progress is None else counted(reader.chunks(), progress)
     try:
         with paused_gc():
             if whole and codec._decode_fast_lines is not None:
-                line_number, undecodable = yield from _decode_every_line(reader.chunks(), episode_ids, progress)
+                line_number, damage = yield from decode_every_line(chunks, episode_ids, limit)
             else:
-                for lines in _lines(reader.chunks()):
-                    if progress is not None:
-                        progress(sum(len(line) + 1 for line in lines))
+                for lines in lines_of(chunks, limit):
                     for line in lines:
                         line_number += 1
-                        if undecodable is not None:
+                        if damage is not None:
+                            continue
+                        if line is TOO_LONG:
+                            damage = too_long(line_number, limit)
                             continue
                         try:
                             if whole:
@@ -544,7 +461,7 @@ def read_records(
                             elif decode_all:
                                 decode(line, episode_id)
                         except RecordUndecodable as exc:
-                            undecodable = f"line {line_number}: {exc.reason}"
+                            damage = type(exc), f"line {line_number}: {exc.reason}"
     finally:
         reader.cancel()
         reader.join()
@@ -557,10 +474,10 @@ def read_records(
     digest = reader.hasher.hexdigest()
     if digest != expected.sha256:
         raise expected.fail(RecordsDigestMismatch, f"records file hashes to {digest}, manifest says {expected.sha256}")
-    if undecodable is None and reader.size and reader.last_byte != b"\n":
-        undecodable = f"line {line_number}: the last line ends without a newline"
-    if undecodable is not None:
-        raise expected.fail(RecordUndecodable, undecodable)
+    if damage is None and reader.size and reader.last_byte != b"\n":
+        damage = RecordUndecodable, f"line {line_number}: the last line ends without a newline"
+    if damage is not None:
+        raise expected.fail(*damage)
     episode_ids.sort()
     repeated = next((earlier for earlier, later in itertools.pairwise(episode_ids) if earlier == later), None)
     if repeated is not None:

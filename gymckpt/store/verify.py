@@ -11,6 +11,19 @@ everything else (names, digest, count, every line, one line per episode) is chec
 checkpoint without ``checkpoint.json`` is normal when the reference published it: every
 intact participant is in the reference format, or its controller's ``collection.json``
 lies beside ``gym/``.
+
+Checkpoints are checked one at a time, start to end (manifests, records, index), and only
+that checkpoint's manifests are held: memory does not grow with the number of checkpoints.
+A checkpoint deleted while it is checked (a collector pruning it: see
+:mod:`gymckpt.store.pruning`) is one warning, ``checkpoint_vanished``, not the errors its
+missing files would give: when a check finds errors or files gone, the checkpoint is listed
+again, and if what published it (its ``checkpoint.json``, or for an unpublished one its
+manifests) is gone, so is the checkpoint. An object key no path names (``gym//x``) is a
+finding too, ``unaddressable_key`` (:func:`gymckpt.store.listing.place_unaddressable`).
+
+Strings in findings are data from the checkpoint: :meth:`Finding.to_dict` gives a byte of
+a name that is not UTF-8 as ``\\xNN`` (:func:`~gymckpt.store.printable.json_text`); whoever
+shows them to a person escapes them (:func:`~gymckpt.store.printable.printable`).
 """
 
 from __future__ import annotations
@@ -21,28 +34,41 @@ from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import (
     CheckpointIndexInvalid,
+    GymckptError,
     InvalidCheckpointState,
     NoCheckpointFound,
     NotRegularFile,
     RecordsMissing,
     RecordsSizeMismatch,
+    UnaddressableKey,
 )
 from gymckpt.store.backend import join
 from gymckpt.store.checkpoint_store import backend_for_url
-from gymckpt.store.layout import GYM_DIR, MANIFEST_NAME, REFERENCE_TEMP_PATTERN, index_path, scan_checkpoints
+from gymckpt.store.layout import (
+    GYM_DIR,
+    MANIFEST_NAME,
+    REFERENCE_TEMP_PATTERN,
+    CheckpointLayout,
+    index_path,
+    scan_checkpoints,
+)
+from gymckpt.store.listing import list_store, place_unaddressable, walk_store
 from gymckpt.store.manifest import GYMCKPT_FORMAT, GYMCKPT_ONLY_FIELDS, REFERENCE_FORMAT
 from gymckpt.store.participant import expected_records, iter_manifest_records, read_manifest_file
+from gymckpt.store.printable import json_text
 from gymckpt.store.publication import index_problems, read_index_file
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from gymckpt.store.backend import StorageBackend
-    from gymckpt.store.layout import CheckpointLayout, ParticipantLayout
+    from gymckpt.store.layout import ParticipantLayout
+    from gymckpt.store.listing import KeyPlacement
     from gymckpt.store.manifest import Manifest
     from gymckpt.store.publication import CheckpointIndex
 
 __all__ = [
+    "CHECKPOINT_VANISHED",
     "FORMAT_NOTES",
     "Finding",
     "NoCheckpointFound",
@@ -59,6 +85,10 @@ FORMAT_NOTES = {
     GYMCKPT_FORMAT: "gymckpt format",
     REFERENCE_FORMAT: f"reference format (no {', '.join(GYMCKPT_ONLY_FIELDS)})",
 }
+
+
+#: the warning for a checkpoint deleted or unpublished while verify read it
+CHECKPOINT_VANISHED = "checkpoint_vanished"
 
 
 class Severity(StrEnum):
@@ -80,29 +110,26 @@ class Finding:
     fix: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: str(value) for key, value in asdict(self).items()}
+        """Every field as a string; a byte of a name that is not UTF-8 as ``\\xNN`` (:func:`json_text`)."""
+        return {key: json_text(value) for key, value in asdict(self).items()}
 
 
 @dataclass
 class ParticipantSummary:
-    """What one participant holds, for ``inspect`` and the report."""
+    """One participant the report covers (the manifest itself is not kept: one checkpoint's at a time)."""
 
     checkpoint: str
     kind: str
     instance: str
-    manifest: Manifest | None = None
+    #: the manifest's format (``gymckpt`` or ``reference``); None when it is missing or damaged
+    format: str | None = None
 
     @property
     def participant(self) -> str:
         return f"{self.kind}/{self.instance}"
 
-    @property
-    def format(self) -> str | None:
-        """The manifest's format (``gymckpt`` or ``reference``); None when it is missing or damaged."""
-        return None if self.manifest is None else self.manifest.format
-
     def to_dict(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "participant": self.participant, "format": self.format}
+        return {"checkpoint": json_text(self.checkpoint), "participant": self.participant, "format": self.format}
 
 
 @dataclass
@@ -145,10 +172,10 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "url": self.url,
+            "url": json_text(self.url),
             "ok": self.ok,
             "quick": self.quick,
-            "checkpoints": self.checkpoints,
+            "checkpoints": [json_text(checkpoint) for checkpoint in self.checkpoints],
             "participants": len(self.participants),
             "formats": self.formats,
             "participant_formats": [summary.to_dict() for summary in self.participants],
@@ -179,21 +206,43 @@ def verify(
 def verify_backend(
     backend: StorageBackend, *, quick: bool = False, progress: Callable[[int, int], None] | None = None
 ) -> VerifyReport:
-    """:func:`verify` on an open backend: the same scan and the same reads a restore uses."""
+    """:func:`verify` on an open backend: the same scan and the same reads a restore uses.
+
+    Checkpoints are checked one after the other, each from its manifests to its index, so at
+    most one checkpoint's manifests are held at a time.
+    """
     report = VerifyReport(url=backend.url, quick=quick)
-    checkpoints = scan_checkpoints(backend.walk_entries(""))
-    if not checkpoints:
+    listing = list_store(backend)
+    odd: dict[str, list[KeyPlacement]] = {}
+    for key in listing.unaddressable:
+        placed = place_unaddressable(key, listing.checkpoints)
+        odd.setdefault(placed.checkpoint, []).append(placed)
+    if not listing.checkpoints and not odd:
         raise NoCheckpointFound(f"no checkpoint (no gym/ directory) under {backend.url}")
-    report.checkpoints = list(checkpoints)
-    checks = [_CheckpointCheck(backend, report, layout) for layout in checkpoints.values()]
-    for check in checks:
+    report.checkpoints = sorted(set(listing.checkpoints) | set(odd))
+    total = _records_total(backend, listing.checkpoints) if progress is not None and not quick else 0
+    for checkpoint in report.checkpoints:
+        layout = listing.checkpoints.get(checkpoint) or CheckpointLayout(checkpoint)
+        check = _CheckpointCheck(backend, report, layout)
+        check.unaddressable(odd.get(checkpoint, []))
         check.scan_and_manifests()
-    total = sum(check.records_bytes for check in checks)
-    for check in checks:
         check.records(quick=quick, total=total, progress=progress)
-    for check in checks:
         check.index_agreement()
+        check.settle()
     return report
+
+
+def _records_total(backend: StorageBackend, checkpoints: dict[str, CheckpointLayout]) -> int:
+    """The bytes of every records file listed, for a progress bar's total (a stat each: no manifest kept)."""
+    total = 0
+    for layout in checkpoints.values():
+        for files in layout.participants.values():
+            for path in files.records:
+                try:
+                    total += backend.size(path)
+                except (OSError, InvalidCheckpointState):
+                    pass  # missing or refused: the check reports it
+    return total
 
 
 class _CheckpointCheck:
@@ -205,6 +254,12 @@ class _CheckpointCheck:
         self.layout = layout
         self.checkpoint = layout.directory
         self.irregular = {path for path, _, _ in layout.irregular}
+        #: this checkpoint's findings, handed to the report by :meth:`settle`
+        self.findings: list[Finding] = []
+        #: the manifests the listing found (what publishes an unpublished checkpoint)
+        self.listed_manifests = {files.manifest for files in layout.participants.values() if files.manifest}
+        #: a file the listing found was gone when read
+        self.files_gone = False
         self.manifests: dict[tuple[str, str], Manifest] = {}
         self.damaged: set[tuple[str, str]] = set()
         self.index: CheckpointIndex | None = None
@@ -214,14 +269,10 @@ class _CheckpointCheck:
         self.stat_sizes: dict[str, int] = {}
 
     def add(self, code: str, severity: Severity, path: str, detail: str, participant: str = "", fix: str = "") -> None:
-        self.report.findings.append(Finding(code, severity, self.checkpoint, path, detail, participant, fix))
+        self.findings.append(Finding(code, severity, self.checkpoint, path, detail, participant, fix))
 
     def add_error(self, exc: InvalidCheckpointState, participant: str = "") -> None:
         self.add(exc.problem, Severity.ERROR, exc.path, exc.reason, exc.participant or participant)
-
-    @property
-    def records_bytes(self) -> int:
-        return sum(self.size_of(manifest) for manifest in self.manifests.values())
 
     def size_of(self, manifest: Manifest) -> int:
         """The records size a manifest claims; for one that claims none, the file's (0 if unreadable)."""
@@ -234,6 +285,29 @@ class _CheckpointCheck:
             except (OSError, InvalidCheckpointState):
                 self.stat_sizes[path] = 0  # missing or refused: the records check reports it
         return self.stat_sizes[path]
+
+    def unaddressable(self, placed: list[KeyPlacement]) -> None:
+        """One finding per object key no path names: an error where a tool that maps keys to paths would
+        read it as checkpoint state (or outside the root), a warning elsewhere."""
+        for key in placed:
+            if key.misleading:
+                self.add(
+                    UnaddressableKey.problem,
+                    Severity.ERROR,
+                    key.key,
+                    f"an object key with empty, '.' or '..' segments: gymckpt never reads it, but a tool that "
+                    f"maps keys to paths reads it as {key.normalized}, in place of or beside what was checked",
+                    fix=f"delete the object {key.key!r}",
+                )
+            else:
+                self.add(
+                    UnaddressableKey.problem,
+                    Severity.WARNING,
+                    key.key,
+                    f"an object key with empty, '.' or '..' segments: no reader of the checkpoint reads it "
+                    f"(a tool that maps keys to paths would read it as {key.normalized})",
+                    fix=f"delete the object {key.key!r}",
+                )
 
     def scan_and_manifests(self) -> None:
         layout = self.layout
@@ -263,6 +337,7 @@ class _CheckpointCheck:
         except InvalidCheckpointState as exc:
             self.add_error(exc)
         except FileNotFoundError:
+            self.files_gone = True
             self.add(CheckpointIndexInvalid.problem, Severity.ERROR, path, "checkpoint.json vanished while verify ran")
 
     def listed(self, key: tuple[str, str]) -> bool:
@@ -283,6 +358,7 @@ class _CheckpointCheck:
                 self.damaged.add(key)
             except FileNotFoundError:
                 files.manifest = None  # deleted while we looked
+                self.files_gone = True
         if manifest is None and key not in self.damaged and not self.listed(key):
             self.add(
                 "unfinished_commit",
@@ -293,7 +369,7 @@ class _CheckpointCheck:
             )
         if manifest is not None:
             self.manifests[key] = manifest
-            self.report.participants[-1].manifest = manifest
+            self.report.participants[-1].format = manifest.format
         for path in files.temporary:
             self.add_leftover(path, participant)
         for path in files.unexpected:
@@ -428,3 +504,36 @@ class _CheckpointCheck:
         }
         for problem in index_problems(self.index, self.checkpoint, self.manifests, damaged=self.damaged | hidden):
             self.add_error(problem)
+
+    def settle(self) -> None:
+        """Hand this checkpoint's findings to the report; one ``checkpoint_vanished`` warning instead if it
+        was deleted or unpublished while it was checked (its errors are then what the deletion did)."""
+        if (
+            self.files_gone or any(finding.severity is Severity.ERROR for finding in self.findings)
+        ) and self.vanished():
+            self.findings = [
+                Finding(
+                    CHECKPOINT_VANISHED,
+                    Severity.WARNING,
+                    self.checkpoint,
+                    join(self.checkpoint, GYM_DIR),
+                    "the checkpoint was deleted or unpublished while verify read it (a collector pruning it, "
+                    "most likely): what is left of it is not checked",
+                )
+            ]
+        self.report.findings.extend(self.findings)
+        self.manifests.clear()  # one checkpoint's manifests at a time
+
+    def vanished(self) -> bool:
+        """True when what published this checkpoint when it was listed is gone now.
+
+        Its ``checkpoint.json``; for a checkpoint listed without one, a manifest. A published
+        checkpoint whose index is still there is damaged, not vanished, whatever else is missing.
+        """
+        try:
+            now = {path for path, _ in walk_store(self.backend, join(self.checkpoint, GYM_DIR))[0]}
+        except (OSError, GymckptError):
+            return False  # cannot tell: the findings stand
+        if self.layout.index is not None:
+            return self.layout.index not in now
+        return bool(self.listed_manifests - now)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from gymckpt import errors
+from gymckpt.store import bounds as bounds_module
 from gymckpt.store import participant as participant_module
 from gymckpt.store import publication as publication_module
 from gymckpt.store.checkpoint_store import CheckpointStore
@@ -206,7 +207,7 @@ class BackendTests:
         assert manifest.records_bytes == len(data)
         assert data.count(b"\n") == 40
         document = json.loads(self.raw_read(backend, manifest.path))
-        assert list(document)[:9] == [
+        assert list(document)[:10] == [
             "schema_version",
             "kind",
             "instance",
@@ -215,9 +216,11 @@ class BackendTests:
             "records_sha256",
             "record_count",
             "records_bytes",
+            "max_record_bytes",
             "episode_ids",
         ]
         assert document["episode_ids"] == sorted(record["episode_id"] for record in records)
+        assert document["max_record_bytes"] == max(map(len, data.splitlines(keepends=True)))
         assert document["note"] == [1, 2.5]
         assert list(document)[-1] == "writer"
         restored = list(store.read_participant("ck", kind="agent", instance="a-0"))
@@ -391,6 +394,8 @@ class BackendTests:
         assert verify_backend(backend).findings == []
         ctx = AttackContext(self, backend, env, agent, self.outside_directory(backend))
         expected = row.apply(ctx)
+        if ctx.document_budget is not None:
+            monkeypatch.setattr(bounds_module, "DOCUMENT_BUDGET", ctx.document_budget)
         watch = OutsideWatch(ctx.outside) if ctx.outside is not None else None
         recorder = RecordingBackend(backend, ctx.size_override)
         reading = CheckpointStore(recorder, chunk_size=1024)

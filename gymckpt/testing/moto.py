@@ -3,7 +3,7 @@
 moto checks ``If-None-Match: *`` but not atomically: two conditional PUTs of one key
 arriving together can both succeed, where S3 lets exactly one win. The endpoint
 therefore runs conditional writes one at a time, so racing writers see S3's semantics.
-Needs the ``moto[server]`` package (``pip install 'gymckpt[demo-s3]'``).
+Needs the ``moto[server]`` package (``pip install -e '.[demo-s3]' in the gymckpt clone``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _server_class() -> type:
         from werkzeug.serving import make_server
     except ImportError as exc:
         raise UnsupportedStorage(
-            f"an embedded S3 endpoint needs moto's server: pip install 'gymckpt[demo-s3]' ({exc})"
+            f"an embedded S3 endpoint needs moto's server: pip install -e '.[demo-s3]' in the gymckpt clone ({exc})"
         ) from exc
 
     class QuietHandler(MotoRequestHandler):  # type: ignore[misc, valid-type]

@@ -47,6 +47,7 @@ from starlette.requests import cookie_parser
 from yarl import URL
 
 from gymckpt.control.responses import error_response
+from gymckpt.control.routes import is_control_path
 from gymckpt.errors import GymckptError, InvalidRolloutId, SessionForwardFailed, SessionOwnerGone
 from gymckpt.identity import ROLLOUT_PREFIX, split_rollout_path
 from gymckpt.workers.placement import is_routing_id
@@ -300,10 +301,12 @@ class SessionRouter:
 
     def owner_of(self, scope: Scope) -> str | None:
         """The routing id of the worker that should handle this request; None: this one, no session."""
-        if scope.get(FORWARDED_SCOPE_KEY):
+        path = scope.get("path", "")
+        # a control call is never forwarded: its route checks the token before reading the body, and a
+        # worker's plane passes it to the coordinator anyway (forwarding would buffer an unauthenticated body)
+        if scope.get(FORWARDED_SCOPE_KEY) or is_control_path(path):
             return None
         headers = scope.get("headers", [])
-        path = scope.get("path", "")
         cookie = _cookie(headers)
         token = _header(headers, TOKEN_HEADER.encode("ascii"))
         owner: str | None = None

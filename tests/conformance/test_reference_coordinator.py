@@ -99,6 +99,8 @@ async def coordinator_checkpoint(urls: dict[str, str], checkpoint_id: str, check
         prepared = await gym.prepare(checkpoint_id, deadline())
         scope = prepared.continued(IN_FLIGHT)
         commits = await gym.commit(checkpoint_id, deadline(), str(checkpoint_dir), scope, stop=True)
+        # gymckpt's own publication (no server call): its Coordinator restores only published checkpoints
+        await gym.publish(str(checkpoint_dir), commits)
         resumed = await gym.resume(checkpoint_id, deadline())
     kind_of = {url: kind for kind, url in urls.items()}
     return {

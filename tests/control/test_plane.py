@@ -1496,6 +1496,7 @@ async def test_status_shape(fake):
             "counts": {"live": 1, "busy": 1},
             "restarts": ["x"],
         },
+        "restore_checks": ["manifest_sha256", "source_checkpoint_id"],
         "checkpoint_verify": "wait",
     }
 
@@ -1650,15 +1651,15 @@ async def test_a_restore_through_an_escaping_symlink_is_refused_before_anything_
 
 
 class CountingStores:
-    """Wraps ``gymckpt.control.plane.open_store``: every store the plane opens, and each close() call."""
+    """Wraps ``gymckpt.control.plane.open_allowed_store``: every store the plane opens, and each close() call."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.opened: list[CheckpointStore] = []
         self.closes: list[CheckpointStore] = []
-        real = plane_module.open_store
+        real = plane_module.open_allowed_store
 
-        def counting_open(url: str, **options: Any) -> CheckpointStore:
-            store = real(url, **options)
+        def counting_open(url: str, allowed_roots: list[str] | None, **options: Any) -> CheckpointStore:
+            store = real(url, allowed_roots, **options)
             close = store.close
 
             def counted_close() -> None:
@@ -1669,7 +1670,7 @@ class CountingStores:
             self.opened.append(store)
             return store
 
-        monkeypatch.setattr(plane_module, "open_store", counting_open)
+        monkeypatch.setattr(plane_module, "open_allowed_store", counting_open)
 
     def each_closed_once(self) -> bool:
         return len(self.closes) == len(self.opened) and all(

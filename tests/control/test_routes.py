@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from gymckpt import errors
 from gymckpt.control.plane import ControlPlane
-from gymckpt.control.routes import CONTROL_PREFIX, install_control
+from gymckpt.control.routes import CONTROL_PREFIX, install_control, is_control_path
 from gymckpt.store import open_store
 from gymckpt.testing.participant import FakeParticipant
 
@@ -152,6 +152,23 @@ def test_a_credentials_query_parameter_is_no_way_in(client, method, route, body)
     response = call(client, method, route, body, params={"credentials": TOKEN})
     assert response.status_code == 401, response.text
     assert error_code(response) == "unauthorized"
+
+
+@pytest.mark.parametrize(
+    ("path", "control"),
+    [
+        (f"{CONTROL_PREFIX}/commit", True),
+        (CONTROL_PREFIX, True),
+        (f"/ng-rollout/r1{CONTROL_PREFIX}/commit", True),
+        (f"/ng-rollout/not a key!{CONTROL_PREFIX}/commit", True),  # refused either way, never read
+        (f"{CONTROL_PREFIX}x/commit", False),
+        ("/ng-rollout/r1/v1/responses", False),
+        (f"/own{CONTROL_PREFIX}/commit", False),
+        (f"/ng-rollout/r1/ng-rollout/r2{CONTROL_PREFIX}/commit", False),  # the prefix middleware's 400
+    ],
+)
+def test_control_paths_are_known_behind_a_rollout_prefix(path, control):
+    assert is_control_path(path) is control
 
 
 def test_the_token_opens_every_route(client, fake, tmp_path):

@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr, ValidationError
+from pydantic import SecretStr
 
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
+from gymckpt.errors import SettingsError
 
 TOKEN = "tok-0123456789abcdefXYZ"
 
@@ -95,10 +96,10 @@ def test_a_yaml_file_that_is_not_a_mapping_is_refused(tmp_path):
 @pytest.mark.parametrize("token", [None, ""])
 def test_enabled_without_a_token_fails_at_startup_naming_control_auth_token(token, tmp_path):
     block = {"enabled": True} if token is None else {"enabled": True, "control_auth_token": token}
-    with pytest.raises(ValidationError, match="control_auth_token"):
+    with pytest.raises(SettingsError, match="control_auth_token"):
         load_settings({"checkpoint": block})
     text = "checkpoint:\n  enabled: true\n" + ("" if token is None else '  control_auth_token: ""\n')
-    with pytest.raises(ValidationError, match="control_auth_token"):
+    with pytest.raises(SettingsError, match="control_auth_token"):
         load_settings(write_yaml(tmp_path, text))
 
 
@@ -108,26 +109,26 @@ def test_disabled_without_a_token_is_fine():
 
 @pytest.mark.parametrize("field", ["control_connector_limit", "control_connector_limit_per_host"])
 def test_negative_connector_limits_are_refused(field):
-    with pytest.raises(ValidationError, match=field):
+    with pytest.raises(SettingsError, match=field):
         load_settings({"checkpoint": {field: -1}})
     assert getattr(load_settings({"checkpoint": {field: 0}}).checkpoint, field) == 0
 
 
 @pytest.mark.parametrize("value", [0, -5])
 def test_a_lease_grace_that_is_not_positive_is_refused(value):
-    with pytest.raises(ValidationError, match="lease_grace_seconds"):
+    with pytest.raises(SettingsError, match="lease_grace_seconds"):
         load_settings({"checkpoint": {"lease_grace_seconds": value}})
 
 
 def test_an_unknown_field_in_the_block_is_refused(tmp_path):
-    with pytest.raises(ValidationError, match="control_auth_tokn"):
+    with pytest.raises(SettingsError, match="control_auth_tokn"):
         load_settings({"checkpoint": {"enabled": False, "control_auth_tokn": "typo"}})
-    with pytest.raises(ValidationError, match="lease_grace"):
+    with pytest.raises(SettingsError, match="lease_grace"):
         load_settings(write_yaml(tmp_path, "checkpoint:\n  lease_grace: 10\n"))
 
 
 def test_an_empty_allowed_roots_list_is_refused():
-    with pytest.raises(ValidationError, match="allowed_roots"):
+    with pytest.raises(SettingsError, match="allowed_roots"):
         load_settings({"checkpoint": {"allowed_roots": []}})
 
 
@@ -154,13 +155,13 @@ def test_the_environment_can_enable_a_dict_block_and_supply_its_token(monkeypatc
 
 def test_the_environment_enabling_without_any_token_fails(monkeypatch):
     monkeypatch.setenv("GYMCKPT_CHECKPOINT__ENABLED", "true")
-    with pytest.raises(ValidationError, match="control_auth_token"):
+    with pytest.raises(SettingsError, match="control_auth_token"):
         load_settings({"checkpoint": {}})
 
 
 def test_environment_values_are_validated_too(monkeypatch):
     monkeypatch.setenv("GYMCKPT_CHECKPOINT__CONTROL_CONNECTOR_LIMIT", "-3")
-    with pytest.raises(ValidationError, match="control_connector_limit"):
+    with pytest.raises(SettingsError, match="control_connector_limit"):
         load_settings({})
     monkeypatch.setenv("GYMCKPT_CHECKPOINT__CONTROL_CONNECTOR_LIMIT", "4")
     monkeypatch.setenv("GYMCKPT_CHECKPOINT__ALLOWED_ROOTS", '["/data/a", "s3://b/r"]')
@@ -173,7 +174,7 @@ def test_environment_values_are_validated_too(monkeypatch):
 
 def test_an_unknown_environment_field_in_the_block_is_refused(monkeypatch):
     monkeypatch.setenv("GYMCKPT_CHECKPOINT__BOGUS", "1")
-    with pytest.raises(ValidationError, match="bogus"):
+    with pytest.raises(SettingsError, match="bogus"):
         load_settings({})
 
 
@@ -214,7 +215,7 @@ def test_the_token_never_shows_in_repr_or_str(monkeypatch):
     ids=["empty-roots", "negative-limit", "unknown-field", "bad-lease"],
 )
 def test_a_startup_error_never_shows_the_token(block):
-    with pytest.raises(ValidationError) as caught:
+    with pytest.raises(SettingsError) as caught:
         load_settings({"checkpoint": block})
     # what a failed startup prints: not the token, nor any recognizable tail of it
     for text in (str(caught.value), repr(caught.value)):

@@ -649,6 +649,8 @@ class CheckpointMachine(RuleBasedStateMachine):
             records_bytes=len(records),
             episode_ids=[key for key, _ in cut],
             extra={},
+            # the writer measures its longest line (newline included): 0 without records
+            max_record_bytes=max((len(line(key, state)) for key, state in cut), default=0),
         )
         return manifest, records
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def gymckpt(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gymckpt.cli", *args],
+        [sys.executable, "-m", "gymckpt", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

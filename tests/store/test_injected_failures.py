@@ -2,7 +2,8 @@
 
 The failures are injected one layer below the local backend, into the ``os`` module
 (ENOSPC and EIO from ``os.write`` and ``os.fsync`` at the first and at the n-th call,
-including every directory fsync, and from the ``os.link`` that publishes the manifest).
+including every directory fsync, from the ``os.link`` that publishes the manifest, and from the
+one that asks, before the first records byte, whether the filesystem has ``link()`` at all).
 Only calls that touch the store's directory are counted or failed. After each failure:
 the error is a :class:`~gymckpt.errors.StorageError` (an ``OSError``) with the injected
 errno, no ``manifest.json`` exists, no temporary file is left (the abort path could
@@ -166,10 +167,25 @@ def _nth_write(trace: list[tuple[str, str]], position: str) -> int:
     }[position]
 
 
+def _manifest_link(trace: list[tuple[str, str]]) -> int:
+    """The trace index of the link that publishes the manifest: the last one (the first asks whether link() works)."""
+    return max(index for index, (operation, _) in enumerate(trace) if operation == "link")
+
+
+def _nth_link(trace: list[tuple[str, str]], which: str) -> int:
+    """1-based: the probe's link (of the records' temporary file, before its first byte), or the manifest's."""
+    links = [path for operation, path in trace if operation == "link"]
+    records_temp, manifest_temp = _temp_files(trace)
+    assert links == [records_temp, manifest_temp], (
+        f"one probe of the records' temporary file, then the manifest's: {links}"
+    )
+    return {"probe": 1, "manifest": 2}[which]
+
+
 def _nth_fsync(trace: list[tuple[str, str]], target: str) -> int:
     fsyncs = [path for operation, path in trace if operation == "fsync"]
     records_temp, manifest_temp = _temp_files(trace)
-    link = next(index for index, (operation, _) in enumerate(trace) if operation == "link")
+    link = _manifest_link(trace)
     after_link = [path for operation, path in trace[link:] if operation == "fsync"]
     assert after_link == [PARTICIPANT_DIR], f"one directory fsync should follow the manifest link: {after_link}"
     return {
@@ -220,7 +236,8 @@ def _assert_storage_error(raised: pytest.ExceptionInfo[errors.StorageError], err
 def test_the_trace_names_every_step(trace: list[tuple[str, str]]) -> None:
     """The positions the failures below are injected at exist in a clean commit."""
     operations = [operation for operation, _ in trace]
-    assert operations.count("link") == 1 and operations.count("rename") == 1
+    assert operations.count("link") == 2 and operations.count("rename") == 1
+    assert _nth_link(trace, "manifest") == 2
     assert _nth_fsync(trace, "participant-dir-after-manifest-link") == operations.count("fsync")
     assert _nth_write(trace, "manifest") == operations.count("write")
 
@@ -294,9 +311,13 @@ def test_fsync_failure(
 
 
 @pytest.mark.parametrize("error", [*ERRNOS, pytest.param(errno.EMLINK, id="EMLINK")])
-def test_manifest_link_failure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: int) -> None:
+@pytest.mark.parametrize("which", ["probe", "manifest"])
+def test_link_failure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, trace: list[tuple[str, str]], which: str, error: int
+) -> None:
+    """A link() failing with an error that is no refusal of link() itself: the storage failed."""
     root = tmp_path / "store"
-    failed = OsHooks(monkeypatch, root).fail("link", 1, error)
+    failed = OsHooks(monkeypatch, root).fail("link", _nth_link(trace, which), error)
     with pytest.raises(errors.StorageError) as raised:
         _commit(root)
     directory, _, name = failed[0].rpartition("/")

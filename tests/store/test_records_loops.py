@@ -4,7 +4,8 @@
   other one (no leading id, orjson's refusals, a duplicate id, anything not a dict) to the
   Python loop, which decides as it always did.
 - Reading: ``_exact.decode_lines`` decodes a chunk's fast lines and leaves the others (exact
-  lines, damaged ones, lines across chunks) to the Python loop.
+  lines, damaged ones, lines with a key twice in one object, lines longer than the manifest
+  allows, lines across chunks) to the Python loop.
 
 Each comparison runs the same input both ways, at chunk sizes from one byte up, and compares
 the chunks, the summary, the records and the error raised.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import json
+import random
 from typing import Any
 
 import pytest
@@ -85,6 +88,7 @@ def test_both_loops_write_the_same_chunks_and_summary(chunk_size: int, monkeypat
     assert data == b"".join(encode_record(record)[1] if isinstance(record, dict) else record.line for record in records)
     assert summary.episode_ids == [f"r{index}" for index in range(90)]
     assert summary.count == 90 and summary.size == len(data) == sum(sizes)
+    assert summary.max_record_bytes == max(map(len, data.splitlines(keepends=True)))
 
 
 BAD_SEQUENCES = {
@@ -192,7 +196,7 @@ def test_an_error_raised_by_the_records_iterator_comes_through() -> None:
 # --- reading
 
 
-def _check(data: bytes, count: int, ids: list[str] | None) -> RecordsCheck:
+def _check(data: bytes, count: int, ids: list[str] | None, line_limit: int = 1 << 30) -> RecordsCheck:
     return RecordsCheck(
         path="d/records.jsonl",
         participant="agent/a0",
@@ -201,6 +205,7 @@ def _check(data: bytes, count: int, ids: list[str] | None) -> RecordsCheck:
         size=len(data),
         count=count,
         episode_ids=None if ids is None else tuple(sorted(ids)),
+        line_limit=line_limit,
     )
 
 
@@ -255,10 +260,31 @@ def _damaged(name: str) -> tuple[bytes, int]:
         return b"".join([*lines[:1], b"\n", *lines[1:]]), 7
     if name == "two_damaged":
         return b"".join([lines[0], b"{]\n", lines[1], b"nope\n", *lines[2:]]), 8
+    if name == "key_twice":
+        return b"".join([*lines[:2], b'{"episode_id":"twice","k":1,"k":2}\n', *lines[2:]]), 7
+    if name == "key_twice_nested":
+        return b"".join([*lines[:5], b'{"episode_id":"twice","l":[{"k":1},{"k":1,"k":1}]}\n', *lines[5:]]), 7
+    if name == "line_too_long":  # longer than LINE_LIMIT, within one chunk or across many
+        return b"".join([*lines[:3], b'{"episode_id":"long","v":"' + b"x" * 5000 + b'"}\n', *lines[3:]]), 7
+    if name == "tail_too_long_without_newline":
+        return good + b'{"episode_id":"long","v":"' + b"x" * 5000, 7
     raise AssertionError(name)
 
 
-DAMAGE = ["not_json", "fast_prefix_but_truncated", "id_not_leading", "no_final_newline", "empty_line", "two_damaged"]
+DAMAGE = [
+    "not_json",
+    "fast_prefix_but_truncated",
+    "id_not_leading",
+    "no_final_newline",
+    "empty_line",
+    "two_damaged",
+    "key_twice",
+    "key_twice_nested",
+    "line_too_long",
+    "tail_too_long_without_newline",
+]
+#: the line limit the damaged files are read with: each good line fits, the long one does not
+LINE_LIMIT = 2000
 
 
 @needs_accelerator
@@ -268,10 +294,11 @@ def test_both_read_loops_name_the_same_damaged_line(
     name: str, chunk_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data, count = _damaged(name)
-    check = _check(data, count, None)
+    check = _check(data, count, None, LINE_LIMIT)
     with_c = _read(data, check, chunk_size, c_loop=True, monkeypatch=monkeypatch)
     with_python = _read(data, check, chunk_size, c_loop=False, monkeypatch=monkeypatch)
-    assert with_c[0] is errors.RecordUndecodable, with_c
+    expected = errors.RecordTooLong if "too_long" in name else errors.RecordUndecodable
+    assert with_c[0] is expected, with_c
     assert with_c[:2] == with_python[:2]
     assert_identical(with_c[2], with_python[2])
 
@@ -310,6 +337,119 @@ def test_decode_lines_leaves_a_line_it_does_not_read_fast_where_it_starts(left: 
 
 
 @needs_accelerator
+def test_decode_lines_leaves_a_line_longer_than_its_line_limit_where_it_starts() -> None:
+    lines = [encode_record(record)[1] for record in _fast(4)]
+    data = b"".join(lines)
+    ids: list[str] = []
+    decoded, position = _exact.decode_lines(data, 0, 1 << 20, ids, len(lines[0]))  # newline included: it fits
+    assert decoded == _fast(4) and position == len(data)
+    ids = []
+    decoded, position = _exact.decode_lines(data, 0, 1 << 20, ids, len(lines[0]) - 1)
+    assert (decoded, position, ids) == ([], 0, [])
+    with pytest.raises(ValueError, match="line_limit is negative"):
+        _exact.decode_lines(data, 0, 1 << 20, ids, -1)
+
+
+@needs_accelerator
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"episode_id":"x","a":1,"a":1}',
+        b'{"episode_id":"x","episode_id":"x"}',
+        b'{"episode_id":"x","o":{"a":{"b":1,"b":1}}}',
+        b'{"episode_id":"x","l":[{"a":1},{"a":1,"a":2}]}',
+        b'{"episode_id":"x","s":"\\\\\\":{","a":1,"a":2}',
+    ],
+)
+def test_decode_line_leaves_a_line_with_a_key_twice_to_python(line: bytes) -> None:
+    assert _exact.decode_line(line) is None
+    assert _exact.decode_lines(line + b"\n", 0, 1 << 20, []) == ([], 0)
+    with pytest.raises(errors.RecordUndecodable, match="twice"):
+        codec.decode_line_and_id(line)
+
+
+@needs_accelerator
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"episode_id":"x","s":"a:b,{c}\\":\\\\","t":{":":"{"}}',
+        b'{"episode_id":"x","l":[{"a":1},{"a":1}],"o":{"a":{"a":{}}}}',
+        b'{"episode_id":"x","e":{},"f":[[],{}]}',
+    ],
+)
+def test_decode_line_reads_lines_whose_keys_only_look_repeated(line: bytes) -> None:
+    assert _exact.decode_line(line) == ("x", json.loads(line))
+
+
+def _random_line(rng: random.Random, serial: int) -> bytes:
+    """A records line whose objects may hold a key twice at any depth, with strings full of what the
+    scan must see through: quotes, runs of backslashes, colons and braces, multibyte characters."""
+    alphabet = ['"', "\\", "\\\\", ":", "{", "}", "[", "]", ",", "a", "é", "🙂", " ", "\n"]
+
+    def text() -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.choice([0, 1, 2, 7, 30, 70, 130])))
+
+    def value(depth: int) -> str:
+        roll = rng.random()
+        if depth > 4 or roll < 0.35:
+            return rng.choice([json.dumps(text(), ensure_ascii=False), "1", "2.5", "null", "true", "-7"])
+        if roll < 0.6:
+            return "[" + ",".join(value(depth + 1) for _ in range(rng.randrange(5))) + "]"
+        keys = [text() if rng.random() < 0.7 else "k" for _ in range(rng.randrange(6))]
+        return "{" + ",".join(json.dumps(key, ensure_ascii=False) + ":" + value(depth + 1) for key in keys) + "}"
+
+    members = [f'"episode_id":"e{serial}"'] + [
+        json.dumps(text(), ensure_ascii=False) + ":" + value(0) for _ in range(rng.randrange(5))
+    ]
+    return ("{" + ",".join(members) + "}").encode()
+
+
+def _holds_a_key_twice(line: bytes) -> bool:
+    found = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        if len({key for key, _ in items}) != len(items):
+            found.append(True)
+        return dict(items)
+
+    json.loads(line, object_pairs_hook=pairs)
+    return bool(found)
+
+
+@needs_accelerator
+def test_the_c_key_check_never_accepts_a_key_twice_and_the_codec_decides_every_line_exactly() -> None:
+    """Seeded random lines: the C loop may leave a line to Python (a list with dicts between scalars), never
+    accept one with a key twice; decode_line_and_id (C, then Python) refuses exactly those."""
+    rng = random.Random(20260412)
+    twice = 0
+    for serial in range(4000):
+        line = _random_line(rng, serial)
+        repeated = _holds_a_key_twice(line)
+        twice += repeated
+        if repeated:
+            assert _exact.decode_line(line) is None, line
+            with pytest.raises(errors.RecordUndecodable, match="twice"):
+                codec.decode_line_and_id(line)
+        else:
+            assert codec.decode_line_and_id(line) == (f"e{serial}", json.loads(line))
+    assert 1000 < twice < 3000, twice  # both kinds were tried
+
+
+@needs_accelerator
+def test_append_lines_reports_the_longest_line_when_asked() -> None:
+    records = [*_fast(3), {"episode_id": "long", "v": "y" * 300}, *_fast(6, start=3)]
+    lengths = [len(encode_record(record)[1]) for record in records]
+    batch, seen, ids = bytearray(), set(), []
+    assert _exact.append_lines(iter(records), batch, 0, 1 << 20, seen, ids, 7) == (
+        sum(lengths),
+        True,
+        None,
+        max(lengths),
+    )
+    assert _exact.append_lines(iter(_fast(2)), bytearray(), 0, 1 << 20, set(), [], 10_000)[3] == 10_000
+
+
+@needs_accelerator
 def test_decode_lines_refuses_arguments_of_the_wrong_types() -> None:
     for arguments in ((bytearray(b"x\n"), 0, 1, []), (b"x", "0", 1, []), (b"x", 0, 1, ()), (b"x", 0, 1.0, [])):
         with pytest.raises(TypeError, match="decode_lines"):
@@ -317,3 +457,5 @@ def test_decode_lines_refuses_arguments_of_the_wrong_types() -> None:
     for start, limit in ((3, 1), (-1, 1), (0, -1)):
         with pytest.raises(ValueError, match="outside the chunk"):
             _exact.decode_lines(b"ab", start, limit, [])
+    with pytest.raises(TypeError, match="decode_lines"):
+        _exact.decode_lines(b"x", 0, 1, [], 1.0)

@@ -426,7 +426,9 @@ def test_gymckpt_manifests_keep_every_check(store: CheckpointStore, root: Path) 
     digest = hashlib.sha256(data).hexdigest()
     (directory / manifest.records_file).unlink()
     (directory / f"records-{digest}.jsonl").write_bytes(data)
-    document.update(records_file=f"records-{digest}.jsonl", records_sha256=digest, records_bytes=len(data))
+    document.update(
+        records_file=f"records-{digest}.jsonl", records_sha256=digest, records_bytes=len(data), max_record_bytes=60
+    )
     manifest_path.write_text(json.dumps(document))
     with pytest.raises(errors.RecordUndecodable, match="episode_id string"):
         read_all(store, kind="environment", instance="env-0")

@@ -147,7 +147,10 @@ def test_a_records_line_naming_another_episode_never_returns_that_episode(tmp_pa
     path.unlink()
     (path.parent / f"records-{digest}.jsonl").write_bytes(data)
     document = json.loads((tmp_path / manifest.path).read_bytes())
-    document.update(records_file=f"records-{digest}.jsonl", records_sha256=digest, records_bytes=len(data))
+    longest = max(len(line) + 1 for line in data.split(b"\n")[:-1])  # a consistent writer: its longest line too
+    document.update(
+        records_file=f"records-{digest}.jsonl", records_sha256=digest, records_bytes=len(data), max_record_bytes=longest
+    )
     (tmp_path / manifest.path).write_text(json.dumps(document))
     returned: list[dict[str, Any]] = []
     with pytest.raises(errors.RecordUndecodable, match="twice"):

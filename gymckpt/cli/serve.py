@@ -1,0 +1,169 @@
+"""``gymckpt serve`` (one reference server) and ``gymckpt stack up`` (a whole stack of them).
+
+Everything a server would otherwise fail on at startup with a traceback is checked here
+first and refused as one line, exit 2: a port outside 0–65535, a host that does not
+resolve, an ``--fd`` that is not a socket, a ``GYMCKPT_*`` or ``OTEL_*`` variable that is
+not valid (the line names it), a config or stack file that cannot be used (the line names
+the file, and in a stack file the entry, the key and the reference).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import click
+
+from gymckpt.cli._errors import Command, Group, fail, fail_setting
+from gymckpt.cli._options import keep_alive_option, log_level_option
+from gymckpt.cli._output import plain
+from gymckpt.stack import KINDS, load_stack
+from gymckpt.stack.kinds import load_config
+from gymckpt.stack.serving import MAX_WORKERS, serve
+
+__all__ = ["check_environment", "serve_command", "stack_group"]
+
+
+def check_environment() -> None:
+    """Exit 2 with one line naming the variable when a ``GYMCKPT_*`` setting a server reads is not valid.
+
+    Each is read here as the server would read it (its keep-alive, pool bound, reply bound,
+    request deadlines and connection budget, the workers' health check), so a bad value
+    stops the command before any process starts, not inside uvicorn or a worker.
+    """
+    from gymckpt import transport
+    from gymckpt.stack.request_deadlines import RequestDeadlines
+    from gymckpt.stack.serving import worker_healthcheck_seconds
+
+    checks = (
+        transport.server_keep_alive,
+        transport.pool_limit,
+        transport.data_reply_limit,
+        RequestDeadlines.from_environment,
+        worker_healthcheck_seconds,
+    )
+    for check in checks:
+        try:
+            check()
+        except ValueError as exc:  # each names its variable
+            fail_setting(exc)
+
+
+def _check_telemetry(kind: str) -> None:
+    """Configure telemetry from ``OTEL_*`` as the server would (once per process): a bad variable is one line."""
+    from gymckpt import telemetry
+
+    try:
+        telemetry.configure_from_environment(f"gymckpt-{kind}")
+    except ValueError as exc:  # names the variable: OTEL_TRACES_EXPORTER 'x': gymckpt knows …
+        fail_setting(exc)
+
+
+def _check_where(host: str, port: int, fd: int | None) -> None:
+    """Exit 2 for an ``--fd`` that is not an open socket, or a ``--host`` that does not resolve."""
+    if fd is not None:
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as exc:
+            fail(
+                f"--fd {fd}: not an open file descriptor ({exc.strerror}): give a listening socket this process inherited"
+            )
+        if not stat.S_ISSOCK(mode):
+            fail(f"--fd {fd}: not a socket: give a listening socket this process inherited")
+        return
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        fail(
+            f"--host {host!r} does not resolve ({reason}): give an address such as 127.0.0.1 or 0.0.0.0, or a host name"
+        )
+
+
+@click.command("serve", cls=Command)
+@click.argument("kind", type=click.Choice(sorted(KINDS)))
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
+@click.option(
+    "--fd", type=click.IntRange(min=0), help="Serve an inherited listening socket instead of binding host:port."
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, MAX_WORKERS),
+    default=1,
+    show_default=True,
+    help="uvicorn worker processes. Above 1, this process coordinates them: one checkpoint participant "
+    "for all of them, and each session's requests routed to the worker that holds it.",
+)
+@keep_alive_option
+@log_level_option
+def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None, workers: int) -> None:
+    """Run one reference server (inference, model, agent, counter, weather, environment).
+
+    The config file holds the server's own fields and a checkpoint: block; with
+    checkpoint.enabled false (the default) no checkpoint route or behaviour is installed.
+    With --workers N the control routes answer the same on every worker, a checkpoint
+    covers every worker's work, and a restore may run on another worker count.
+    Exit status 2, with one line saying why: a bad option, config file, or GYMCKPT_* or
+    OTEL_* variable.
+    """
+    check_environment()
+    try:
+        load_config(kind, config_file)
+    except (ValueError, ImportError, OSError) as exc:  # invalid YAML, a bad field, an unreadable file
+        fail(f"cannot build the {kind} server: {exc}")
+    _check_where(host, port, fd)
+    _check_telemetry(kind)
+    serve(kind, config_file, host=host, port=port, fd=fd, workers=workers)
+
+
+@click.group("stack", cls=Group)
+def stack_group() -> None:
+    """Run a whole stack of reference servers from a YAML file."""
+
+
+@stack_group.command("up", cls=Command)
+@click.argument("stack_file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--keep-workdir",
+    is_flag=True,
+    help="Keep the servers' configs (with the control token) and logs after the stack stops (default: removed).",
+)
+@keep_alive_option
+@log_level_option
+def stack_up(stack_file: str, keep_workdir: bool) -> None:
+    """Start every server of STACK_FILE, each in its own process group, until interrupted.
+
+    "{name}" in a config value is the URL of the stack's server of that name. Ctrl-C or
+    SIGTERM, whenever it comes (also while the stack starts), stops every server and removes
+    the stack's working directory unless --keep-workdir. Exit status 2, with one line naming
+    the file, the entry and the key: a stack file that cannot be used (a reference to a server
+    it does not have, a port outside 0-65535), or a bad GYMCKPT_* variable (the servers
+    inherit the environment).
+    """
+    import signal as signals
+    import threading
+
+    check_environment()
+    # handlers, not a blocked mask: the servers started below must not inherit blocked signals
+    stopping = threading.Event()
+    stop_signals = (signals.SIGINT, signals.SIGTERM)
+    previous = {number: signals.signal(number, lambda *_: stopping.set()) for number in stop_signals}
+    try:
+        try:
+            stack = load_stack(stack_file, keep_workdir=keep_workdir)  # the whole file, before any socket opens
+        except (ValueError, OSError) as exc:  # a SettingsError or invalid YAML names the file already
+            message = str(exc)
+            fail(message if message.startswith(f"{stack_file}:") else f"{stack_file}: {message}")
+        with stack:
+            if not stopping.is_set():
+                stack.start()
+                for name, url in stack.urls.items():
+                    plain(name, stack.servers[name].kind, url, f"log {stack.servers[name].log_path}")
+                plain("press Ctrl-C to stop the stack")
+            stopping.wait()
+    finally:
+        for number, handler in previous.items():
+            signals.signal(number, handler)
