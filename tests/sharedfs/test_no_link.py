@@ -1,6 +1,7 @@
 """Mounts that cannot hold a checkpoint safely: an S3 bucket mounted with Debian's s3fs (FUSE), against
 the test's moto server on 127.0.0.1, has no link(). The first commit there is refused with
-UnsupportedStorage naming the path and the missing capability; opted in, manifests are created with
+UnsupportedStorage naming the directory and the missing capability before a byte of records is
+written; opted in, manifests are created with
 O_EXCL instead, and a checkpoint committed that way verifies and restores."""
 
 from __future__ import annotations
@@ -63,14 +64,18 @@ def test_the_first_commit_on_a_mount_without_link_is_refused(bucket: Path, monke
     monkeypatch.delenv(ALLOW_NO_LINK_ENV, raising=False)
     backend = LocalBackend(str(bucket))
     assert backend.supports_conditional_create
+    taken: list[dict] = []
     with pytest.raises(UnsupportedStorage) as refused:
-        _commit(CheckpointStore(backend), sample_records(5))
+        store = CheckpointStore(backend)
+        store.write_participant("ck", **PARTICIPANT, records=(taken.append(r) or r for r in sample_records(5)))
     message = str(refused.value)
-    assert refused.value.path == MANIFEST and MANIFEST in message
-    assert str(bucket / "ck/gym/environment/env-0") in message
+    directory = "ck/gym/environment/env-0"
+    assert refused.value.path == directory, refused.value.path  # refused at the records file, not the manifest
+    assert str(bucket / directory) in message
     assert LINK_CAPABILITY in message and ALLOW_NO_LINK_ENV in message
     assert refused.value.errno == errno.EOPNOTSUPP
-    assert not (bucket / MANIFEST).exists()
+    assert taken == []  # before the first record was taken: no byte of records was written
+    assert [path.name for path in (bucket / directory).iterdir()] == []
     assert not backend.supports_conditional_create
     # every later create on that filesystem is refused the same way, without another try
     with pytest.raises(UnsupportedStorage):
