@@ -40,14 +40,49 @@ def counted(chunks: Iterator[bytes], progress: Callable[[int], None]) -> Iterato
         yield chunk
 
 
+class _SpanningLine:
+    """The line the chunks before began: its parts, held only while they fit in ``limit`` bytes."""
+
+    __slots__ = ("held", "limit", "parts", "size")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.held = False
+
+    def begin(self, tail: bytes, *, hold: bool = True) -> None:
+        """A chunk ended in the middle of a line: ``tail`` is its start."""
+        self.size = len(tail)
+        self.held = hold and self.size < self.limit
+        self.parts = [tail] if self.held else []
+
+    def extend(self, chunk: bytes) -> None:
+        """A whole chunk without a newline, inside the line."""
+        self.size += len(chunk)
+        if self.held:
+            if self.size >= self.limit:
+                self.held, self.parts = False, []
+            else:
+                self.parts.append(chunk)
+
+    def end(self, head: bytes | None = None) -> bytes | None:
+        """The whole line, ``head`` (up to its newline) added; None when it was too long to hold."""
+        if head is not None:
+            self.size += len(head)
+            self.parts.append(head)
+        line = b"".join(self.parts) if self.held and self.size < self.limit else None
+        self.held, self.parts = False, []
+        return line
+
+
 def lines_of(chunks: Iterable[bytes], limit: int) -> Iterator[list[Any]]:
     """Group the lines of a byte stream per chunk; a line spanning chunks is joined once.
 
     A line that takes more than ``limit`` bytes with its newline is let go as soon as that
     shows, and :data:`TOO_LONG` stands in its place.
     """
-    carry: list[bytes] = []
-    carried = 0  # bytes of the line the chunks before began (held in carry while they fit)
+    spanning = _SpanningLine(limit)
     open_line = False
     for chunk in chunks:
         view = memoryview(chunk)
@@ -56,20 +91,10 @@ def lines_of(chunks: Iterable[bytes], limit: int) -> Iterator[list[Any]]:
         if open_line:
             end = chunk.find(b"\n")
             if end < 0:
-                carried += len(chunk)
-                if carry:
-                    if carried >= limit:
-                        carry = []
-                    else:
-                        carry.append(chunk)
+                spanning.extend(chunk)
                 continue
-            carried += end
-            if carry and carried < limit:
-                carry.append(chunk[:end])
-                lines.append(b"".join(carry))
-            else:
-                lines.append(TOO_LONG)
-            carry = []
+            line = spanning.end(chunk[:end])
+            lines.append(TOO_LONG if line is None else line)
             open_line = False
             start = end + 1
         while (end := chunk.find(b"\n", start)) >= 0:
@@ -77,11 +102,11 @@ def lines_of(chunks: Iterable[bytes], limit: int) -> Iterator[list[Any]]:
             start = end + 1
         if start < len(chunk):
             open_line = True
-            carried = len(chunk) - start
-            carry = [chunk[start:]] if carried < limit else []
+            spanning.begin(chunk[start:])
         yield lines
     if open_line:  # a last line without its newline: the size or digest check reports it
-        yield [b"".join(carry) if carry else TOO_LONG]
+        line = spanning.end()
+        yield [TOO_LONG if line is None else line]
 
 
 #: bytes of lines one call of the C line loop decodes: its records are held until they are yielded
@@ -117,8 +142,7 @@ def decode_every_line(
     line_number = 0
     damage: LineDamage | None = None
     record: dict[str, Any] | None = None
-    carry: list[bytes] = []
-    carried = 0  # bytes of the line the chunks before began (held in carry while they fit and nothing is damaged)
+    spanning = _SpanningLine(limit)  # held while it fits and nothing is damaged
     open_line = False
     for read in chunks:
         chunk = read if type(read) is bytes else bytes(read)
@@ -126,24 +150,17 @@ def decode_every_line(
         if open_line:  # the line the chunks before began
             end = chunk.find(b"\n")
             if end < 0:
-                carried += len(chunk)
-                if carry:
-                    if carried >= limit:
-                        carry = []
-                    else:
-                        carry.append(chunk)
+                spanning.extend(chunk)
                 continue
             line_number += 1
-            carried += end
+            line = spanning.end(chunk[:end])
             if damage is None:
-                if carry and carried < limit:
-                    carry.append(chunk[:end])
-                    record, damage = _decode_left(b"".join(carry), line_number, episode_ids)
+                if line is not None:
+                    record, damage = _decode_left(line, line_number, episode_ids)
                     if record is not None:
                         yield record
                 else:
                     damage = too_long(line_number, limit)
-            carry = []
             open_line = False
             start = end + 1
         while damage is None:
@@ -170,13 +187,13 @@ def decode_every_line(
             start = chunk.rfind(b"\n", start) + 1 or start
         if start < len(chunk):
             open_line = True
-            carried = len(chunk) - start
-            carry = [chunk[start:]] if damage is None and carried < limit else []
+            spanning.begin(chunk[start:], hold=damage is None)
     if open_line:  # a last line without its newline: decoded as before, the caller reports the missing newline
         line_number += 1
+        line = spanning.end()
         if damage is None:
-            if carry:
-                record, damage = _decode_left(b"".join(carry), line_number, episode_ids)
+            if line is not None:
+                record, damage = _decode_left(line, line_number, episode_ids)
                 if record is not None:
                     yield record
             else:
