@@ -5,34 +5,36 @@
 the policy model (``model_url`` in the settings, OpenAI Responses style) what to do; a
 ``function_call`` goes to ``POST <resources_url>/<tool name>`` and its reply back to the model,
 until the model answers a message. Every model and tool call carries the rollout's prefix
-(``/ng-rollout/<capture key>/...``), so the servers it calls know the rollout too. One task per
-session: once answered, the session replies the same until ``POST /close_session``.
+(``/ng-rollout/<capture key>/...``), so the servers it calls know the rollout too, and each tool
+call the caller's ``Cookie`` header (the tool server's session cookie), so a tool server with
+several workers routes it to the worker that holds the session. One task per session: once
+answered, the session replies the same until ``POST /close_session``.
 
 What a checkpoint captures: each session's boundary (the conversation after its last
 completed model or tool call) and its state (``resources_url``, ``tools``). A model call is a
 ``replay`` step (it runs again after a restore), a tool call a ``wait`` step (the checkpoint
 waits for it: it changed the tool server's state).
 
-Run it: ``uvicorn examples.agent_server:app --port 8002`` (settings from
-``examples/agent_server.yaml``, or the file named by ``AGENT_SERVER_SETTINGS``).
+Run it: ``gymckpt serve --app examples.agent_server:app --workers 2 --config examples/agent_server.yaml
+--port 8002`` (without ``--config``: ``examples/agent_server.yaml``), or in one process ``uvicorn
+examples.agent_server:app --port 8002``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import yaml
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 
 from gymckpt.control.settings import load_settings
 from gymckpt.participants.agent import AgentSessionParticipant, PlainActivation
-from gymckpt.participants.install import install_checkpointing
+from gymckpt.participants.install import app_config_file, install_checkpointing
 from gymckpt.participants.rollout import current_episode
 
 if TYPE_CHECKING:
@@ -58,6 +60,8 @@ class Conversation:
         self.pending: dict[str, Any] | None = boundary.get("pending")  # a function call not yet sent to the tool
         self.reply: dict[str, Any] | None = boundary.get("reply")  # the answer, once the model gave it
         self.turns: int = boundary.get("turns", 0)
+        #: what the caller's request carried of its tool session (its Cookie header): not state, not exported
+        self.tool_headers: dict[str, str] = {}
 
     def snapshot(self) -> dict[str, Any]:
         return {"messages": list(self.messages), "pending": self.pending, "reply": self.reply, "turns": self.turns}
@@ -107,13 +111,16 @@ class NotesAgent:
 
     # --- one activation
 
-    async def respond(self, key: str | None, turn: Turn, activation: PlainActivation) -> dict[str, Any]:
+    async def respond(
+        self, key: str | None, turn: Turn, activation: PlainActivation, tool_headers: dict[str, str]
+    ) -> dict[str, Any]:
         settings = {"resources_url": turn.resources_url, "tools": turn.tools}
         convo = self.sessions.get(key) if key is not None else None
         if convo is None:
             convo = Conversation(settings)
             if key is not None:
                 self.sessions[key] = convo
+        convo.tool_headers = tool_headers
         if not convo.messages:
             await activation.record(lambda: convo.start(turn.input))
         while convo.reply is None and convo.turns < MAX_TURNS:
@@ -131,25 +138,29 @@ class NotesAgent:
     async def call_tool(self, key: str | None, convo: Conversation) -> dict[str, Any]:
         assert convo.pending is not None
         arguments = json.loads(convo.pending.get("arguments") or "{}")
-        return await self.post(convo.settings["resources_url"], key, "/" + convo.pending["name"], arguments)
+        tool = "/" + convo.pending["name"]
+        return await self.post(convo.settings["resources_url"], key, tool, arguments, headers=convo.tool_headers)
 
-    async def post(self, base: str, key: str | None, path: str, body: Any) -> dict[str, Any]:
+    async def post(
+        self, base: str, key: str | None, path: str, body: Any, *, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """POST for the rollout ``key``: its prefix tells the called server which rollout this is."""
         url = base.rstrip("/") + (f"/ng-rollout/{key}{path}" if key is not None else path)
         assert self.http is not None
-        async with self.http.post(url, json=body, raise_for_status=True) as response:
+        async with self.http.post(url, json=body, headers=headers, raise_for_status=True) as response:
             return await response.json()  # type: ignore[no-any-return]
 
 
 def create_app(settings_file: str | Path | None = None) -> FastAPI:
     """The app; checkpointing installed when the settings' ``checkpoint:`` block enables it."""
-    config = yaml.safe_load(Path(settings_file or os.environ.get("AGENT_SERVER_SETTINGS") or SETTINGS).read_text())
+    config = yaml.safe_load(Path(settings_file or app_config_file(default=SETTINGS)).read_text())  # --config FILE
     agent = NotesAgent(config["model_url"])
     participant = AgentSessionParticipant(agent, instance="notes-agent-0")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with aiohttp.ClientSession() as http:
+        # no shared cookie jar: each tool call carries its own session's cookie, which the caller gave
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
             agent.http = http
             yield
 
@@ -165,12 +176,14 @@ def create_app(settings_file: str | Path | None = None) -> FastAPI:
         return {"status": "ok"}
 
     @app.post("/v1/responses")
-    async def responses(turn: Turn) -> dict[str, Any]:
+    async def responses(turn: Turn, request: Request) -> dict[str, Any]:
         key = rollout_key()
+        # the tool server's session cookie, passed on with each tool call (a tool server's workers route by it)
+        tool_headers = {"Cookie": request.headers["cookie"]} if "cookie" in request.headers else {}
         if plane is None:  # checkpointing off: no participant, steps just run
-            return await agent.respond(key, turn, PlainActivation(key))
+            return await agent.respond(key, turn, PlainActivation(key), tool_headers)
         # an activation: refused without a rollout or for a retired attempt; parks at a boundary while closed
-        return await participant.run(key, lambda activation: agent.respond(key, turn, activation))
+        return await participant.run(key, lambda activation: agent.respond(key, turn, activation, tool_headers))
 
     @app.post("/close_session")
     async def close_session() -> dict[str, bool]:

@@ -12,13 +12,14 @@ Routes (the shape every resources server has):
 With checkpointing on, every call but ``/health`` and the control routes carries its rollout:
 ``/ng-rollout/<capture key>/add_note``. The session is that capture key.
 
-Run it: ``uvicorn examples.tool_server:app --port 8001`` (settings from ``examples/tool_server.yaml``,
-or the file named by ``TOOL_SERVER_SETTINGS``), or ``uvicorn --factory examples.tool_server:create_app``.
+Run it: ``gymckpt serve --app examples.tool_server:app --workers 2 --port 8001`` (two uvicorn
+workers, one checkpoint participant; ``--config other.yaml`` names another settings file than
+``examples/tool_server.yaml``), or in one process ``uvicorn examples.tool_server:app --port 8001``.
+``--app examples.tool_server:create_app`` builds the app from the factory instead.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,7 +27,7 @@ from fastapi import FastAPI, Request
 
 from gymckpt.control.settings import load_settings
 from gymckpt.errors import InvalidCheckpointState
-from gymckpt.participants.install import install_checkpointing
+from gymckpt.participants.install import app_config_file, install_checkpointing
 from gymckpt.participants.resources import CheckpointedResources, CheckpointMode, ResourcesParticipant
 from gymckpt.participants.rollout import current_episode
 
@@ -98,7 +99,7 @@ def create_app(settings_file: str | Path | None = None) -> FastAPI:
         notes.sessions.pop(session_of(request), None)
         return {"closed": True}
 
-    settings = load_settings(settings_file or os.environ.get("TOOL_SERVER_SETTINGS") or SETTINGS)
+    settings = load_settings(settings_file or app_config_file(default=SETTINGS))  # --config FILE, else ours
     install_checkpointing(app, ResourcesParticipant(notes, instance="notes-0"), settings)
     return app
 

@@ -56,6 +56,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── InvalidDataset (ValueError)              400 invalid_dataset: a collection's dataset line (file:line: why)
     ├── CollectionExists (FileExistsError)       409 collection_exists: results or checkpoints of an earlier collection
     ├── SettingsError (ValueError)               a settings file or dict refused at startup (file: key.path: why; never on the wire)
+    ├── AppNotLoadable (ValueError)              an --app module:attr that names no app (never on the wire)
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -95,6 +96,7 @@ from urllib.parse import urlsplit
 __all__ = [
     "AgentError",
     "AgentRequestError",
+    "AppNotLoadable",
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
     "CheckpointIdMismatch",
@@ -695,6 +697,15 @@ class SettingsError(GymckptError, ValueError):
         self.path = path
         where = f"{path}: " if path else ""
         super().__init__("\n".join(f"{where}{key}: {why}" if key else f"{where}{why}" for key, why in self.problems))
+
+
+class AppNotLoadable(GymckptError, ValueError):
+    """An app named as ``module:attr`` (``gymckpt serve --app``, a stack file's ``app:``) that gives no app.
+
+    The module cannot be imported (or raised while it was), it has no such attribute, or the
+    attribute is neither a FastAPI (Starlette) app nor a factory that takes no arguments and
+    returns one. Refused at startup, never on the wire.
+    """
 
 
 #: wire code → the one class that defines it (its subclasses inherit the code and are not listed)

@@ -4,7 +4,8 @@ Everything goes through the OpenTelemetry API. Until an SDK is configured the AP
 providers are no-ops: a span does not record (attributes are skipped), an instrument
 records nothing. :func:`configure_from_environment` configures the SDK and its OTLP
 exporter (the ``gymckpt[otel]`` extra) from the standard ``OTEL_*`` variables;
-``gymckpt serve``, ``stack up`` and ``collect`` call it.
+``gymckpt serve``, ``stack up`` and ``collect`` call it, and a server of your own gets it
+(and its logging) from ``install_checkpointing``, which calls :func:`configure_process`.
 
 Names follow the reference stack's, so dashboards built for it keep working:
 
@@ -23,7 +24,7 @@ Names follow the reference stack's, so dashboards built for it keep working:
 
 Logging: one INFO line per operation (logger ``gymckpt.telemetry``): its id, participant,
 counts, bytes, seconds and outcome. :func:`setup_logging` gives every line a timestamp,
-level and logger name. Attribute values are the checkpoint's own ids and counts: no
+level and logger name; :func:`configure_process` does so only where no logging was set up. Attribute values are the checkpoint's own ids and counts: no
 token, header or storage option is ever recorded.
 """
 
@@ -55,7 +56,9 @@ __all__ = [
     "PHASE",
     "RECORDS",
     "Operation",
+    "check_environment",
     "configure_from_environment",
+    "configure_process",
     "event",
     "extract",
     "inject",
@@ -327,6 +330,22 @@ def _exporters(variable: str) -> list[str]:
     return [name.strip() for name in os.environ.get(variable, "").split(",") if name.strip()]
 
 
+#: the exporter names gymckpt's SDK setup knows (``OTEL_TRACES_EXPORTER``, ``OTEL_METRICS_EXPORTER``)
+KNOWN_EXPORTERS = ("otlp", "console", "none")
+
+
+def check_environment() -> None:
+    """Raise a ValueError naming the variable when an ``OTEL_*_EXPORTER`` names an exporter gymckpt does not know.
+
+    Nothing is configured: for a launcher that checks the variables before the server's own
+    code (which configures telemetry itself, :func:`configure_process`) runs.
+    """
+    for variable in ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER"):
+        for name in _exporters(variable):
+            if name not in KNOWN_EXPORTERS:
+                raise ValueError(f"{variable} {name!r}: gymckpt knows otlp, console and none")
+
+
 def configure_from_environment(service_name: str) -> bool:
     """Configure the OpenTelemetry SDK from the ``OTEL_*`` variables; whether it did (once per process).
 
@@ -365,18 +384,68 @@ LOG_LEVEL_ENV = "GYMCKPT_LOG_LEVEL"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def setup_logging(level: str | int | None = None) -> None:
-    """Lines with timestamp, level and logger name on stderr; level from ``level`` or ``GYMCKPT_LOG_LEVEL`` (info)."""
-    chosen = level if level is not None else os.environ.get(LOG_LEVEL_ENV, "info")
+def _numeric_level(chosen: str | int) -> int:
     numeric = logging.getLevelName(chosen.upper()) if isinstance(chosen, str) else chosen
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {chosen!r}: one of debug, info, warning, error")
-    root = logging.getLogger()
+    return numeric
+
+
+def _add_handler(root: logging.Logger) -> None:
+    """gymckpt's stderr handler (timestamp, level, logger name) on the root logger, once."""
     if not any(getattr(handler, "_gymckpt", False) for handler in root.handlers):
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
         handler._gymckpt = True  # type: ignore[attr-defined]
         root.addHandler(handler)
+
+
+def setup_logging(level: str | int | None = None) -> None:
+    """Lines with timestamp, level and logger name on stderr; level from ``level`` or ``GYMCKPT_LOG_LEVEL`` (info)."""
+    numeric = _numeric_level(level if level is not None else os.environ.get(LOG_LEVEL_ENV, "info"))
+    root = logging.getLogger()
+    _add_handler(root)
     logging.getLogger("gymckpt").setLevel(numeric)  # other libraries stay at the root's level (warning)
     if root.level == logging.NOTSET:
         root.setLevel(logging.WARNING)
+
+
+#: whether :func:`configure_process` ran in this process
+_process = {"configured": False}
+
+
+def configure_process(service_name: str) -> None:
+    """Logging and telemetry of a server process from its environment, once per process (later calls do nothing).
+
+    ``install_checkpointing`` calls it, so a server of your own logs and traces as the
+    reference servers do. It never overrides a logging setup already made:
+
+    - gymckpt's handler (stderr, timestamp, level, logger name) is added only when the root
+      logger has no handler yet (nobody set logging up: not the app, not its launcher; uvicorn
+      sets up only its own loggers). Otherwise gymckpt's lines go to the handlers there are;
+    - the ``gymckpt`` logger's level is set only when it has none of its own: to
+      ``GYMCKPT_LOG_LEVEL`` when that is set, else to info when gymckpt added its handler
+      (else it follows the root logger's level, as the app set it);
+    - telemetry: :func:`configure_from_environment` (``OTEL_*``; ``OTEL_SERVICE_NAME``, else
+      ``service_name``), itself once per process: a launcher that configured it first wins.
+
+    A ``GYMCKPT_LOG_LEVEL`` or ``OTEL_*`` value that is not valid raises a ValueError naming
+    the variable (the server does not start); the process counts as configured only once this
+    returned.
+    """
+    if _process["configured"]:
+        return
+    raw = os.environ.get(LOG_LEVEL_ENV, "").strip()
+    try:
+        level = _numeric_level(raw) if raw else None
+    except ValueError as exc:
+        raise ValueError(f"{LOG_LEVEL_ENV}: {exc}") from None
+    check_environment()
+    root, own = logging.getLogger(), logging.getLogger("gymckpt")
+    adds_handler = not root.handlers and not own.handlers
+    if own.level == logging.NOTSET and (level is not None or adds_handler):
+        own.setLevel(level if level is not None else logging.INFO)
+    if adds_handler:
+        _add_handler(root)
+    configure_from_environment(service_name)
+    _process["configured"] = True

@@ -449,9 +449,11 @@ def test_help_exits_0(command: list[str]) -> None:
 
 def test_verify_help_states_the_exit_codes() -> None:
     text = one_line(run("verify", "--help").stdout)
-    assert "0 clean" in text
+    assert "0 no damage: every checkpoint published, unpublished, unfinished or vanished" in text, text
     assert "1 errors found" in text
     assert "2 usage error" in text
+    for status in ("published", "unpublished", "unfinished", "damaged", "vanished"):
+        assert f" {status} " in text, status
 
 
 # --- a real process

@@ -155,6 +155,29 @@ def test_control_characters_from_a_checkpoint_are_escaped(tmp_path: Path, termin
         assert "\\tcolumn" in lines[0]
 
 
+def test_names_in_the_narrow_layout_and_in_the_verdict_are_escaped(tmp_path: Path) -> None:
+    """inspect's blocks (a terminal too narrow for its table) and verify's last lines, which name the
+    checkpoints that are unpublished or unfinished, escape a name as the table does."""
+    root = tmp_path / "root"
+    with open_store(str(root)) as store:
+        store.write_participant(f"un{HOSTILE}", kind="environment", instance="0", checkpoint_id="ck", records=[])
+    unfinished = root / f"failed{HOSTILE}" / "gym" / "environment" / "0"
+    unfinished.mkdir(parents=True)  # what a failed commit leaves
+    commit(root, f"ck{HOSTILE}", extra={f"key{HOSTILE}": 1})
+    narrow = {**TERMINAL, "COLUMNS": "60"}
+    shown = CliRunner().invoke(main, ["inspect", str(root)], env={"GYMCKPT_ENDPOINT_URL": None, **narrow})
+    assert shown.exit_code == 0, shown.output
+    assert "┏" not in shown.output  # the blocks, not the table
+    assert_escaped(shown.output)
+    for terminal in (False, True):
+        result = run("verify", str(root), terminal=terminal)
+        assert result.exit_code == 0, result.output
+        assert_escaped(result.output)
+        lines = STYLING.sub("", result.output).splitlines()
+        assert any(line.startswith("UNFINISHED") and "failed\\x1b[2J" in line for line in lines), lines
+        assert any(line.startswith("OK, but UNPUBLISHED") and "un\\x1b[2J" in line for line in lines), lines
+
+
 def test_no_control_byte_from_a_file_name_reaches_a_real_process_output(tmp_path: Path) -> None:
     root = hostile_root(tmp_path)
     for args in (

@@ -1,9 +1,9 @@
 """The README's "Add checkpointing to your own FastAPI server", run as written against examples/.
 
 Every shell line of that section runs in a fresh workspace (tests/docs_support.py): the
-servers it starts (``uvicorn examples.tool_server:app``, ``gymckpt stack up
-examples/stack.yaml``, ``uvicorn examples.agent_server:app``) are real processes on free
-ports, each waited for by polling ``/health`` with a deadline; the README's own ``curl``
+servers it starts (``gymckpt serve --app examples.tool_server:app --workers 2``, ``gymckpt
+stack up examples/stack.yaml``, ``gymckpt serve --app examples.agent_server:app --workers
+2``) are real processes on free ports, each waited for by polling ``/health`` with a deadline; the README's own ``curl``
 lines run with only the ports replaced, and each reply is checked against
 :data:`EXPECTED`, in order, so a line added, removed or changed in the README fails here
 until the expectation follows. Every process is stopped at the end, passed or failed.
@@ -57,10 +57,12 @@ def both(*checks: Check) -> Check:
     return check
 
 
-def status_of(kind: str, instance: str, **extra: Any) -> Check:
+def coordinated_status_of(kind: str, instance: str, workers: int) -> Check:
+    """The status of a server with several workers: its coordinator answers for all (some may still be starting)."""
+
     def check(result: Result, ws: Workspace) -> None:
-        ok(kind=kind, instance=instance, phase="idle", checkpoint_id=None, **extra)(result, ws)
-        assert result.body["report"]["ready"] is True
+        ok(kind=kind, instance=instance, phase="idle", checkpoint_id=None, expected_workers=workers)(result, ws)
+        assert 1 <= result.body["workers"] <= workers, result.body
 
     return check
 
@@ -112,9 +114,9 @@ def server(result: Result, ws: Workspace) -> None:
 
 # (a piece of the documented line, its check), in the README's order
 EXPECTED: list[tuple[str, Check]] = [
-    ("uvicorn examples.tool_server:app --port 8001", server),
+    ("gymckpt serve --app examples.tool_server:app --workers 2 --port 8001", server),
     ("localhost:8001/health", ok(status="ok")),
-    ("$CTL/status", status_of("resources", "notes-0", mode="exported", verify="wait")),
+    ("$CTL/status", coordinated_status_of("resources", "notes-0", 2)),
     ("/ng-rollout/task-7/seed_session", ok(session="task-7")),
     ("/ng-rollout/task-7/add_note", ok(notes=[{"text": "buy milk"}])),
     ("localhost:8001/add_note", error(400, "rollout_id_required")),
@@ -122,16 +124,16 @@ EXPECTED: list[tuple[str, Check]] = [
     ("$CTL/commit", committed("checkpoints/notes-1", "gym/resources/notes-0/manifest.json", ["task-7"])),
     ("$CTL/resume", ok(phase="idle", idempotent=False, checkpoint_id="notes-1")),
     ("gymckpt verify ./checkpoints/notes-1", verified),
-    ("uvicorn examples.tool_server:app --port 8001", server),  # the crash: a fresh process
+    ("gymckpt serve --app examples.tool_server:app --workers 2 --port 8001", server),  # the crash: fresh processes
     ("$CTL/restore", ok(phase="restored", source_checkpoint_id="notes-1", restored=["task-7-a1"])),
     ("$CTL/resume", ok(phase="idle", idempotent=False, checkpoint_id="notes-1")),
     ("/ng-rollout/task-7-a1/add_note", ok(notes=[{"text": "buy milk"}, {"text": "call mom"}])),
     ("/ng-rollout/task-7/add_note", error(409, "stale_attempt")),
     ("/ng-rollout/task-7-a1/verify", ok(reward=1.0)),
     ("gymckpt stack up examples/stack.yaml", server),
-    ("uvicorn examples.agent_server:app --port 8002", server),
+    ("gymckpt serve --app examples.agent_server:app --workers 2", server),
     ("localhost:8002/health", ok(status="ok")),
-    ("localhost:8002/ng-control/v1/checkpoint/status", status_of("agent", "notes-agent-0")),
+    ("localhost:8002/ng-control/v1/checkpoint/status", coordinated_status_of("agent", "notes-agent-0", 2)),
     ("localhost:8001/ng-rollout/task-8/seed_session", ok(session="task-8")),
     ("localhost:8002/ng-rollout/task-8/v1/responses", answered),
     ("localhost:8001/ng-rollout/task-8/verify", ok(reward=1.0)),

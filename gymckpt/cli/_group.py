@@ -25,6 +25,7 @@ def main() -> None:
     gymckpt inspect ./checkpoints/ckpt-7       list its participants
     gymckpt demo                               checkpoint in-flight rollouts, crash, restore, continue
     gymckpt serve KIND --port N [--workers N]  run one reference server
+    gymckpt serve --app MODULE:ATTR --workers N  run your own FastAPI app the same way
     gymckpt stack up STACK.yaml                run a whole stack of them
     gymckpt collect DATA.jsonl --environment URL --out R.jsonl --checkpoint-dir DIR
                                                run a dataset, surviving preemption

@@ -10,7 +10,7 @@ never sent raw. ``--json`` output is written by the store's own document encoder
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -19,7 +19,10 @@ from rich.text import Text
 from gymckpt.store.codec import encode_document
 from gymckpt.store.printable import printable
 
-__all__ = ["human", "plain", "stderr", "stdout", "text", "write_json"]
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["fits", "human", "plain", "stderr", "stdout", "text", "write_json"]
 
 #: key in click's context meta: this invocation's (stdout, stderr) consoles
 _CONSOLES = "gymckpt.consoles"
@@ -81,3 +84,12 @@ def human(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size:.1f} GB"  # pragma: no cover
+
+
+def fits(table: Table, console: Console) -> bool:
+    """True when ``table`` fits ``console``'s width with no word broken: every column at least as wide as
+    its longest word (a ``no_wrap`` column: its longest cell), plus padding and borders. Where it does not,
+    rich would break words a letter at a time to fit: show the data another way."""
+    # measured against an unbounded width: rich clamps a measurement to the width it is given
+    narrowest = table.__rich_measure__(console, console.options.update_width(1 << 16)).minimum
+    return narrowest <= console.width

@@ -8,11 +8,15 @@ from typing import Any
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from gymckpt.cli._errors import Command, fail
 from gymckpt.cli._options import log_level_option, storage_arguments, storage_options
 from gymckpt.cli._output import stderr, stdout, text, write_json
-from gymckpt.errors import GymckptError
+from gymckpt.collect.health import DEFAULT_MIN_CHECKPOINT_SUCCESS
+from gymckpt.collect.runner import EXIT_CHECKPOINTS_FAILED
+from gymckpt.errors import CheckpointDirNotAllowed, GymckptError
+from gymckpt.store.printable import printable
 
 __all__ = ["collect_command"]
 
@@ -30,13 +34,27 @@ __all__ = ["collect_command"]
 @click.option(
     "--checkpoint-dir",
     metavar="DIR|s3://…",
-    help="Checkpoint root: one directory per checkpoint and LATEST. Below the servers' allowed_roots. "
+    help="Checkpoint root: one directory per checkpoint and LATEST. It must lie below every server's "
+    "checkpoint.allowed_roots: checked with each server before the first row (exit 2 if one refuses). "
     "Without it, nothing is checkpointed.",
 )
 @click.option(
-    "--every", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Checkpoint every SECONDS (0: never)."
+    "--every",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Checkpoint every SECONDS (0: never); needs --checkpoint-dir.",
 )
 @click.option("--keep", type=click.IntRange(min=1), default=2, show_default=True, help="Published checkpoints kept.")
+@click.option(
+    "--min-checkpoint-success",
+    type=click.FloatRange(min=0, max=1),
+    default=DEFAULT_MIN_CHECKPOINT_SUCCESS,
+    show_default=True,
+    metavar="FRACTION",
+    help="Of the checkpoints attempted (--every, SIGUSR1, the stop's), the fraction that must be published, "
+    "else exit 3; at least one must be, whatever this is.",
+)
 @click.option(
     "--concurrency", type=click.IntRange(min=1), default=32, show_default=True, help="Rows in flight at most."
 )
@@ -69,6 +87,7 @@ def collect_command(
     checkpoint_dir: str | None,
     every: float,
     keep: int,
+    min_checkpoint_success: float,
     concurrency: int,
     resume: bool,
     config_file: str | None,
@@ -89,8 +108,27 @@ def collect_command(
     published). --resume skips the rows --out has ended, restores and continues the rows
     the newest checkpoint holds, and starts over (as their next attempt, after fencing the
     old one everywhere) every other row the previous run had sent.
-    Exit status: 0 every row has a result, 1 some row failed, 2 usage or config error,
-    75 stopped after a checkpoint.
+
+    \b
+    Before the first row, --checkpoint-dir is checked with every server against its
+    checkpoint.allowed_roots (servers whose status does not list them, reference servers,
+    are not checked). A checkpoint that fails is one line while it runs, and counted in
+    the summary ("checkpoints failed").
+
+    \b
+    Beside --out, <stem>.dispatch.jsonl (results.jsonl: results.dispatch.jsonl) logs every
+    attempt this run may have sent: a {"run_id"} line, then [rollout_id, attempt] fsynced
+    before each /run. It is replaced when a run starts, and kept when it ends, never
+    removed. --resume reads it to fence what the previous run may still have running and
+    to know its checkpoints; without it, resume still works from --out and the checkpoint,
+    but cannot fence a row the dead run had sent and not yet answered. Delete it with --out.
+
+    \b
+    Exit status: 0 every row has a result and enough checkpoints were published,
+    1 some row failed, 2 usage or config error (the checkpoint directory refused
+    included: nothing was sent), 3 too few checkpoints: checkpoints were attempted and
+    none was published, or fewer than --min-checkpoint-success of them (or the stop's
+    failed), 75 stopped after a checkpoint.
     """
     import asyncio
 
@@ -99,6 +137,10 @@ def collect_command(
     from gymckpt.control.settings import load_settings
 
     telemetry.configure_from_environment("gymckpt-collect")
+    if every > 0 and checkpoint_dir is None:  # else the timer never runs: a run that looks protected and is not
+        fail(
+            f"--every {every:g} asks for checkpoints, but no --checkpoint-dir says where: give one, or leave out --every"
+        )
     try:
         settings = load_settings(config_file).checkpoint
     except (ValueError, OSError) as exc:
@@ -119,6 +161,7 @@ def collect_command(
         storage_options=storage,
         every=every,
         keep=keep,
+        min_checkpoint_success=min_checkpoint_success,
         concurrency=concurrency,
         resume=resume,
         checkpoint_timeout=checkpoint_timeout,
@@ -126,12 +169,19 @@ def collect_command(
     )
     try:
         summary = asyncio.run(collect(options, stderr()))
-    except GymckptError as exc:  # a bad dataset line, a results file in the way, servers not answering
-        fail(str(exc))
+    except GymckptError as exc:  # a bad dataset line, a results file in the way, servers not answering, a refused root
+        fail(str(exc), error=exc.code if isinstance(exc, CheckpointDirNotAllowed) else "usage_error")
     except FileNotFoundError as exc:
         fail(str(exc))
     _print_collect_summary(summary, as_json)
+    if summary.exit_code == EXIT_CHECKPOINTS_FAILED:  # after the summary: the last line says why the status is 3
+        stderr().print(Text.assemble(("error:", "bold red"), " ", printable(_shortfall_line(summary))))
     sys.exit(summary.exit_code)
+
+
+def _shortfall_line(summary: Any) -> str:
+    first = f" (the first: {summary.checkpoint_failure})" if summary.checkpoint_failure else ""
+    return f"checkpoints fell short: {summary.checkpoint_shortfall}{first}"
 
 
 def _print_collect_summary(summary: Any, as_json: bool) -> None:
@@ -151,6 +201,7 @@ def _print_collect_summary(summary: Any, as_json: bool) -> None:
         ("continued from a checkpoint", summary.continued),
         ("restarted", summary.restarted),
         ("checkpoints taken", len(summary.checkpoints)),
+        ("checkpoints failed", summary.checkpoints_failed),
         ("prepare seconds (max)", f"{max(summary.prepare_seconds, default=0):.2f}"),
         ("commit seconds (max)", f"{max(summary.commit_seconds, default=0):.2f}"),
     ]

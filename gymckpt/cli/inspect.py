@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+from rich.padding import Padding
 from rich.table import Table
 
 from gymckpt.cli._errors import JSON_ERRORS, Command, fail, fail_for
 from gymckpt.cli._options import check_url, storage_arguments, storage_options
-from gymckpt.cli._output import human, plain, stdout, text, write_json
+from gymckpt.cli._output import fits, human, plain, stdout, text, write_json
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url
 from gymckpt.store.codec import encode_record
 from gymckpt.store.layout import check_readable_name
 from gymckpt.store.listing import list_checkpoints, participant_rows
 from gymckpt.store.verify import NoCheckpointFound
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["inspect_command"]
 
@@ -40,6 +44,17 @@ def inspect_command(
     storage_option: tuple[str, ...],
 ) -> None:
     """List participants, record counts, sizes, episodes and extra fields under URL.
+
+    \b
+    A participant is marked damaged when its manifest is unreadable or
+    missing (an unfinished commit, an empty participant directory too), or
+    its records file is missing or of another size than the manifest's
+    records_bytes (truncated or grown). inspect reads the manifests and asks
+    each records file's size, nothing more: it re-hashes nothing, so it stays
+    fast; `gymckpt verify URL` is the full check (digest, count, every line).
+    In --json, its row holds "damaged": "<problem>: <why>" (and the manifest's
+    fields where it was read). On a terminal too narrow for the table, one
+    block per participant.
 
     With --dump, write one participant's records as JSONL instead, after verifying the
     whole records file (exit 1, and nothing written, if it is damaged).
@@ -77,26 +92,49 @@ def inspect_command(
         return
     console = stdout()
     if not console.is_terminal:
-        for row in rows:
-            if "damaged" in row:
-                plain(row["checkpoint"] or ".", row["participant"], "damaged", row["damaged"])
-            else:
-                episodes = row["episode_ids"]
-                listed = (
-                    "not listed" if episodes is None else ",".join(episodes[:20]) + (",…" if len(episodes) > 20 else "")
-                )
-                size = "size not claimed" if row["records_bytes"] is None else f"{row['records_bytes']} bytes"
-                plain(
-                    row["checkpoint"] or ".",
-                    row["participant"],
-                    row["checkpoint_id"],
-                    f"{row['record_count']} records",
-                    size,
-                    f"episodes {listed}",
-                    f"extra {','.join(row['extra'])}",
-                    f"{row['format']} format",
-                )
+        _print_lines(rows)
         return
+    table = _table(url, rows)
+    if fits(table, console):
+        console.print(table)
+    else:  # a table this narrow would break names a letter at a time: one block per participant
+        _print_blocks(console, url, rows)
+
+
+def _episodes(row: dict[str, Any], shown: int, separator: str, more: str) -> str:
+    """The first ``shown`` episode ids, and ``more`` when there are others."""
+    episodes = row["episode_ids"]
+    if episodes is None:
+        return "(reference format)"
+    return separator.join(episodes[:shown]) + (more if len(episodes) > shown else "")
+
+
+def _print_lines(rows: list[dict[str, Any]]) -> None:
+    """One line a participant, fields tab-separated, never wrapped: for logs, grep and copy-paste."""
+    for row in rows:
+        if "damaged" in row:
+            plain(row["checkpoint"] or ".", row["participant"] or "-", "damaged", row["damaged"])
+            continue
+        episodes = "not listed" if row["episode_ids"] is None else _episodes(row, 20, ",", ",…")
+        size = "size not claimed" if row["records_bytes"] is None else f"{row['records_bytes']} bytes"
+        plain(
+            row["checkpoint"] or ".",
+            row["participant"],
+            row["checkpoint_id"],
+            f"{row['record_count']} records",
+            size,
+            f"episodes {episodes}",
+            f"extra {','.join(row['extra'])}",
+            f"{row['format']} format",
+        )
+
+
+def _size(row: dict[str, Any]) -> str:
+    return "?" if row["records_bytes"] is None else human(row["records_bytes"])
+
+
+def _table(url: str, rows: list[dict[str, Any]]) -> Table:
+    """One row a participant; names and ids are never wrapped, the other columns wrap between words."""
     table = Table(title=text(f"Checkpoints under {url}"))
     for column in ("checkpoint", "participant", "checkpoint id", "records", "size", "episodes", "extra fields"):
         table.add_column(column, no_wrap=column in ("participant", "checkpoint id"), overflow="fold")
@@ -105,7 +143,7 @@ def inspect_command(
         if "damaged" in row:
             table.add_row(
                 text(row["checkpoint"] or "."),
-                text(row["participant"]),
+                text(row["participant"] or "-"),
                 text("damaged", "red"),
                 "",
                 "",
@@ -113,20 +151,37 @@ def inspect_command(
                 text(row["damaged"]),
             )
             continue
-        episodes = row["episode_ids"]
-        shown = (
-            "(reference format)" if episodes is None else ", ".join(episodes[:3]) + (" …" if len(episodes) > 3 else "")
-        )
         table.add_row(
             text(row["checkpoint"] or "."),
             text(row["participant"]),
             text(row["checkpoint_id"]),
             str(row["record_count"]),
-            "?" if row["records_bytes"] is None else human(row["records_bytes"]),
-            text(shown),
+            _size(row),
+            text(_episodes(row, 3, ", ", " …")),
             text(", ".join(row["extra"])),
         )
-    console.print(table)
+    return table
+
+
+def _print_blocks(console: Console, url: str, rows: list[dict[str, Any]]) -> None:
+    """A block a participant: its name and checkpoint, then one field a line, wrapped between words."""
+    console.print(text(f"Checkpoints under {url}", "italic"), soft_wrap=False)
+    for row in rows:
+        head = text(row["participant"] or "(no participant)", "bold")
+        head.append("  in ").append_text(text(row["checkpoint"] or "."))
+        console.print()
+        console.print(head, soft_wrap=False)
+        fields = Table.grid(padding=(0, 2))
+        fields.add_column(no_wrap=True, style="dim")
+        fields.add_column(overflow="fold")  # a word wider than the terminal is the only one ever broken
+        if "damaged" in row:
+            fields.add_row(text("damaged", "red"), text(row["damaged"]))
+        else:
+            fields.add_row("checkpoint id", text(row["checkpoint_id"]))
+            fields.add_row("records", f"{row['record_count']}, {_size(row)}")
+            fields.add_row("episodes", text(_episodes(row, 3, ", ", " …")))
+            fields.add_row("extra fields", text(", ".join(row["extra"]) or "-"))
+        console.print(Padding(fields, (0, 0, 0, 2), expand=False))
 
 
 def _dump(store: CheckpointStore, checkpoints: dict[str, Any], dump: str, episodes: tuple[str, ...]) -> None:

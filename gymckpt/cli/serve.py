@@ -1,10 +1,12 @@
-"""``gymckpt serve`` (one reference server) and ``gymckpt stack up`` (a whole stack of them).
+"""``gymckpt serve`` (one reference server, or ``--app`` one of your own) and ``gymckpt stack up`` (a whole stack).
 
 Everything a server would otherwise fail on at startup with a traceback is checked here
 first and refused as one line, exit 2: a port outside 0–65535, a host that does not
 resolve, an ``--fd`` that is not a socket, a ``GYMCKPT_*`` or ``OTEL_*`` variable that is
 not valid (the line names it), a config or stack file that cannot be used (the line names
-the file, and in a stack file the entry, the key and the reference).
+the file, and in a stack file the entry, the key and the reference), an ``--app`` that names
+no app (a module not importable, an attribute it lacks, neither an app nor a factory), or
+a KIND and ``--app`` both or neither.
 """
 
 from __future__ import annotations
@@ -82,8 +84,21 @@ def _check_where(host: str, port: int, fd: int | None) -> None:
 
 
 @click.command("serve", cls=Command)
-@click.argument("kind", type=click.Choice(sorted(KINDS)))
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML config file.")
+@click.argument("kind", type=click.Choice(sorted(KINDS)), required=False, metavar="[KIND]")
+@click.option(
+    "--app",
+    "app_spec",
+    metavar="MODULE:ATTR",
+    help="Serve an app of your own instead of a KIND: a FastAPI app, or a factory that takes no arguments "
+    "and returns one (imported with the current directory first on the path, as uvicorn does).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="YAML config file: the KIND's config, or the app's settings file (the app reads it with "
+    "app_config_file() from gymckpt.participants.install).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
 @click.option(
@@ -99,17 +114,31 @@ def _check_where(host: str, port: int, fd: int | None) -> None:
 )
 @keep_alive_option
 @log_level_option
-def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: int | None, workers: int) -> None:
-    """Run one reference server (inference, model, agent, counter, weather, environment).
+def serve_command(
+    kind: str | None, app_spec: str | None, config_file: str | None, host: str, port: int, fd: int | None, workers: int
+) -> None:
+    """Run one reference server (inference, model, agent, counter, weather, environment), or --app your own.
 
     The config file holds the server's own fields and a checkpoint: block; with
     checkpoint.enabled false (the default) no checkpoint route or behaviour is installed.
     With --workers N the control routes answer the same on every worker, a checkpoint
     covers every worker's work, and a restore may run on another worker count.
-    Exit status 2, with one line saying why: a bad option, config file, or GYMCKPT_* or
+
+    --app MODULE:ATTR runs an app of your own the same way (install_checkpointing makes it a
+    participant); with --workers N this process builds the app once to learn its participant,
+    and each worker builds its own. --config names the app's settings file.
+
+    Exit status 2, with one line saying why: a bad option, config file, app, or GYMCKPT_* or
     OTEL_* variable.
     """
+    if (kind is None) == (app_spec is None):
+        both = "not both" if kind is not None else f"one of {', '.join(sorted(KINDS))}"
+        fail(f"give a server KIND ({both}) or --app MODULE:ATTR (see 'gymckpt serve --help')")
     check_environment()
+    if app_spec is not None:
+        _serve_app(app_spec, config_file, host, port, fd, workers)
+        return
+    assert kind is not None
     try:
         load_config(kind, config_file)
     except (ValueError, ImportError, OSError) as exc:  # invalid YAML, a bad field, an unreadable file
@@ -119,9 +148,32 @@ def serve_command(kind: str, config_file: str | None, host: str, port: int, fd: 
     serve(kind, config_file, host=host, port=port, fd=fd, workers=workers)
 
 
+def _serve_app(spec: str, config_file: str | None, host: str, port: int, fd: int | None, workers: int) -> None:
+    """``serve --app``: every check before the app is imported, then the import, refused as one line."""
+    from gymckpt import telemetry
+    from gymckpt.participants.install import STARTUP_LINE_ENV
+    from gymckpt.stack.apps import load_app, parse_app_spec
+
+    try:
+        parse_app_spec(spec)
+    except ValueError as exc:
+        fail(str(exc))
+    _check_where(host, port, fd)
+    try:
+        telemetry.check_environment()  # the app's install_checkpointing configures it, named after its participant
+    except ValueError as exc:
+        fail_setting(exc)
+    os.environ[STARTUP_LINE_ENV] = "1"  # the server's startup line is this process's, once it listens
+    try:
+        loaded = load_app(spec, config_file=config_file, serving_here=workers == 1)
+    except (ValueError, OSError) as exc:  # AppNotLoadable, the app's SettingsError (its file and key), a file
+        fail(str(exc))
+    serve(None, config_file, host=host, port=port, fd=fd, workers=workers, app=loaded)
+
+
 @click.group("stack", cls=Group)
 def stack_group() -> None:
-    """Run a whole stack of reference servers from a YAML file."""
+    """Run a whole stack of reference servers (and apps of your own) from a YAML file."""
 
 
 @stack_group.command("up", cls=Command)
@@ -161,7 +213,7 @@ def stack_up(stack_file: str, keep_workdir: bool) -> None:
             if not stopping.is_set():
                 stack.start()
                 for name, url in stack.urls.items():
-                    plain(name, stack.servers[name].kind, url, f"log {stack.servers[name].log_path}")
+                    plain(name, stack.servers[name].label, url, f"log {stack.servers[name].log_path}")
                 plain("press Ctrl-C to stop the stack")
             stopping.wait()
     finally:

@@ -12,7 +12,7 @@ from rich.table import Table
 from gymckpt.cli._errors import EXIT_DAMAGED, EXIT_OK, Command, fail_for
 from gymckpt.cli._options import check_url, storage_arguments, storage_options
 from gymckpt.cli._output import human, plain, stderr, stdout, text, write_json
-from gymckpt.store.verify import Severity, verify
+from gymckpt.store.verify import CheckpointStatus, Severity, verify
 
 if TYPE_CHECKING:
     from gymckpt.store.verify import VerifyReport
@@ -39,11 +39,25 @@ def verify_command(
     URL is a local path, file://, or s3://bucket/prefix.
     Checkpoints the reference stack's store wrote are checked too, as far as
     their manifests allow; the report names each participant's format.
+    Each checkpoint's status ("checkpoint_status" in --json):
+      published    checkpoint.json lists its participants (or the reference
+                   stack published it)
+      unpublished  every participant committed, no gym/checkpoint.json: not
+                   damaged, a warning (publishing is the trainer's job)
+      unfinished   a participant directory without a manifest (an empty one
+                   too), or a gym/ without participants, and nothing published:
+                   a commit that did not finish; a warning
+      damaged      an error was found
+      vanished     deleted while verify read it (a collector's prune); a warning
+    The report ends with "OK"; or with a line starting "UNFINISHED" and one
+    starting "OK, but UNPUBLISHED", each naming its checkpoints; or "DAMAGED".
     Exit status:
-      0  clean (warnings allowed)
-      1  errors found: the checkpoint is damaged
-      2  usage error or unreachable storage: no checkpoint there, bad storage
-         options, storage that cannot be read, out of memory
+      0  no damage: every checkpoint published, unpublished, unfinished or
+         vanished (warnings allowed; the last line says which)
+      1  errors found: a checkpoint is damaged
+      2  usage error or unreachable storage: no checkpoint there (no gym/
+         directory at all), bad storage options, storage that cannot be
+         read, out of memory
     Errors are one line on stderr. With --json, stdout holds the report, or on
     exit 2 {"error": {"code": ..., "detail": ...}}, code e.g. usage_error,
     checkpoint_not_found, unsupported_storage, storage_error.
@@ -130,11 +144,41 @@ def _print_report(report: VerifyReport) -> None:
     mode = "sizes only (--quick)" if report.quick else f"{report.records_checked} records re-read and hashed"
     formats = report.format_summary()
     plain(
-        f"{len(report.checkpoints)} checkpoint(s), {len(report.participants)} participant(s)"
-        f"{f' ({formats})' if formats else ''}, {human(report.bytes_checked)} checked, {mode}: "
+        f"{len(report.checkpoints)} checkpoint(s) ({report.status_summary()}), {len(report.participants)} "
+        f"participant(s){f' ({formats})' if formats else ''}, {human(report.bytes_checked)} checked, {mode}: "
         f"{len(report.errors)} error(s), {len(report.warnings)} warning(s)"
     )
-    if report.ok:
-        plain("OK" + (" (warnings are leftovers, safe to clean up)" if report.warnings else ""))
-    else:
-        plain("DAMAGED: do not restore from the checkpoints listed above")
+    for line in _verdict(report):
+        plain(line)
+
+
+#: the most checkpoints a verdict line names; the rest are counted
+_NAMED = 5
+
+
+def _named(report: VerifyReport, names: list[str]) -> str:
+    """Checkpoint names for a verdict line (the URL for the checkpoint at the URL), the first few of many."""
+    shown = ", ".join(name or report.url for name in names[:_NAMED])
+    return shown + (f" and {len(names) - _NAMED} more" if len(names) > _NAMED else "")
+
+
+def _verdict(report: VerifyReport) -> list[str]:
+    """The last lines: DAMAGED; else UNFINISHED and "OK, but UNPUBLISHED" where they apply; else OK."""
+    if not report.ok:
+        damaged = report.with_status(CheckpointStatus.DAMAGED)
+        return [
+            "DAMAGED: do not restore from the checkpoints listed above"
+            + (f": {_named(report, damaged)}" if damaged else "")
+        ]
+    lines = []
+    if unfinished := report.with_status(CheckpointStatus.UNFINISHED):
+        lines.append(
+            "UNFINISHED (a commit that did not finish: a participant without a manifest, or none; not damage): "
+            + _named(report, unfinished)
+        )
+    if unpublished := report.with_status(CheckpointStatus.UNPUBLISHED):
+        lines.append(
+            "OK, but UNPUBLISHED (every participant committed, no gym/checkpoint.json; publishing it is the "
+            "trainer's job): " + _named(report, unpublished)
+        )
+    return lines or ["OK" + (" (warnings are leftovers, safe to clean up)" if report.warnings else "")]

@@ -12,6 +12,12 @@ crashed run may still have running (retire everywhere), restores the checkpoint'
 flight and sends them as their next attempt (they continue from their boundaries), and
 sends the fenced rows again as their next attempt (they start over). Each rollout that had
 an attempt fenced or restored is forgotten once it ended.
+
+It fails loudly (:mod:`gymckpt.collect.health`): before the first row, the checkpoint
+directory is checked against every server's ``allowed_roots`` (a refusal ends the run with
+nothing sent); each failed checkpoint is one short line and is counted; a run whose
+checkpoints fell short (none published, or fewer than ``min_checkpoint_success`` of those
+attempted) exits with :data:`EXIT_CHECKPOINTS_FAILED`.
 """
 
 from __future__ import annotations
@@ -30,6 +36,13 @@ import aiohttp
 from gymckpt import transport
 from gymckpt.collect.checkpoints import CheckpointRoot, PublishedCheckpoint, new_checkpoint_id
 from gymckpt.collect.dataset import Row, load_rows
+from gymckpt.collect.health import (
+    DEFAULT_MIN_CHECKPOINT_SUCCESS,
+    check_checkpoint_dir,
+    checkpoint_shortfall,
+    failure_line,
+    not_prepared_line,
+)
 from gymckpt.collect.journal import DispatchLog, PriorRun, ResultsFile, dispatch_log_path, ended
 from gymckpt.collect.progress import CollectProgress
 from gymckpt.control.coordination import Coordinator, runs_to_await
@@ -41,9 +54,18 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-__all__ = ["EXIT_FAILED_ROWS", "EXIT_OK", "EXIT_STOPPED", "CollectOptions", "CollectSummary", "collect"]
+__all__ = [
+    "EXIT_CHECKPOINTS_FAILED",
+    "EXIT_FAILED_ROWS",
+    "EXIT_OK",
+    "EXIT_STOPPED",
+    "CollectOptions",
+    "CollectSummary",
+    "collect",
+]
 
-EXIT_OK, EXIT_FAILED_ROWS, EXIT_STOPPED = 0, 1, 75
+#: exit statuses: 2 (a usage or settings error, the checkpoint directory refused) is the command's
+EXIT_OK, EXIT_FAILED_ROWS, EXIT_CHECKPOINTS_FAILED, EXIT_STOPPED = 0, 1, 3, 75
 
 #: how long a stopping checkpoint waits for the replies of rows that ended before the export
 ENDED_RUNS_SECONDS = 30.0
@@ -71,6 +93,8 @@ class CollectOptions:
     checkpoint_timeout: float = 120.0
     run_timeout: float = 3600.0
     connect_timeout: float = 60.0
+    #: the fraction of the checkpoints attempted that must be published (at least one always must)
+    min_checkpoint_success: float = DEFAULT_MIN_CHECKPOINT_SUCCESS
 
 
 @dataclass
@@ -84,7 +108,14 @@ class CollectSummary:
     failed: int = 0
     continued: int = 0
     restarted: int = 0
+    #: the checkpoints published, by id
     checkpoints: list[str] = field(default_factory=list)
+    #: checkpoints attempted but not published (not prepared in time, a commit or publish that failed)
+    checkpoints_failed: int = 0
+    #: the first failed checkpoint's line (None: none failed)
+    checkpoint_failure: str | None = None
+    #: why the checkpoints fell short (then the exit status is 3), None if they did not
+    checkpoint_shortfall: str | None = None
     prepare_seconds: list[float] = field(default_factory=list)
     commit_seconds: list[float] = field(default_factory=list)
     stopped: bool = False
@@ -223,10 +254,18 @@ class Collector:
         return self._finish()
 
     def _finish(self) -> CollectSummary:
-        """The exit status: stopped after publishing its checkpoint, a row failed, or all done."""
+        """The exit status: stopped with its checkpoint published (resumable: 75 whatever came before);
+        too few checkpoints (a failed stop's included); a row failed; all done."""
         summary = self.summary
-        if summary.stopped:
-            summary.exit_code = EXIT_FAILED_ROWS if self._stop_failed else EXIT_STOPPED
+        summary.checkpoint_shortfall = checkpoint_shortfall(
+            len(summary.checkpoints), summary.checkpoints_failed, self.options.min_checkpoint_success
+        )
+        if self._stop_failed and summary.checkpoint_shortfall is None:
+            summary.checkpoint_shortfall = "the stop's checkpoint was not published"
+        if summary.stopped and not self._stop_failed:
+            summary.exit_code = EXIT_STOPPED
+        elif summary.checkpoint_shortfall is not None:
+            summary.exit_code = EXIT_CHECKPOINTS_FAILED
         else:
             summary.exit_code = EXIT_FAILED_ROWS if summary.failed else EXIT_OK
         return summary
@@ -245,8 +284,14 @@ class Collector:
             )
 
     async def _connect(self) -> None:
+        """Every server answers, and none refuses the checkpoint directory (before any row is sent)."""
         found = await self.gym.discover(require_model=False)
         found.raise_for_problems()
+        if self.options.checkpoint_dir is None:
+            return
+        unchecked = check_checkpoint_dir(found.participants, self.options.checkpoint_dir)
+        if unchecked:  # reference servers: their refusal, if any, comes at the first checkpoint
+            self._event(f"--checkpoint-dir not checked with {', '.join(unchecked)}: no allowed_roots in their status")
 
     async def _prepare_resume(self, plan: _Plan) -> None:
         """Fence the prior run's attempts, restore the checkpoint's rows in flight (see :func:`plan_resume`)."""
@@ -450,7 +495,7 @@ class Collector:
                 prepare_seconds = time.perf_counter() - began
                 if not prepared.prepared:
                     resume = True
-                    self._event(f"checkpoint {checkpoint_id} not ready in time, not taken: {prepared.blockers()}")
+                    self._checkpoint_failed(not_prepared_line(checkpoint_id, prepared))
                     return None
                 in_flight = {capture_key(key, attempt): key for key, attempt in self.in_flight.items()}
                 scope = prepared.continued(in_flight)
@@ -482,7 +527,8 @@ class Collector:
                 await asyncio.to_thread(self._advance, checkpoint_id)
             except (CoordinationError, GymckptError, OSError) as exc:
                 resume = True
-                self._event(f"checkpoint {checkpoint_id} failed: {exc}")
+                kinds = {url: info.kind for url, info in self.gym.kinds.items()}
+                self._checkpoint_failed(failure_line(checkpoint_id, exc, kinds))
                 return None
             finally:
                 if prepared_any and resume:
@@ -498,6 +544,13 @@ class Collector:
                 f"{len(restarts)} restart; prepare {prepare_seconds:.2f} s, commit {commit_seconds:.2f} s"
             )
             return checkpoint_id
+
+    def _checkpoint_failed(self, line: str) -> None:
+        """Count a checkpoint not taken, and say so in one line."""
+        self.summary.checkpoints_failed += 1
+        if self.summary.checkpoint_failure is None:
+            self.summary.checkpoint_failure = line
+        self._event(line)
 
     def _dispatched(self) -> dict[str, int]:
         """Every attempt this run may have sent (its dispatch log, read back)."""

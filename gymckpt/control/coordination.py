@@ -145,6 +145,11 @@ class ParticipantInfo:
     instance: str
     #: the optional restore fields the server checks (its status's ``restore_checks``; none: a reference server)
     restore_checks: frozenset[str] = frozenset()
+    #: where its checkpoint directories may lie (its status's ``allowed_roots``, resolved by the server):
+    #: None allows any; meaningful only when :attr:`roots_reported`
+    allowed_roots: tuple[str, ...] | None = None
+    #: whether its status says ``allowed_roots`` (a reference server's does not)
+    roots_reported: bool = False
 
 
 @dataclass
@@ -216,6 +221,19 @@ def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], resta
     """
     skip = set(committed) | set(restarts)
     return sorted(key for key in outstanding if key not in skip)
+
+
+def _allowed_roots(status: dict[str, Any]) -> tuple[bool, tuple[str, ...] | None]:
+    """Whether a status says its ``allowed_roots`` (null: any; a list of strings), and what it says.
+
+    A status without the key (a reference server's) or with a value of another shape says nothing.
+    """
+    roots = status.get("allowed_roots", ())
+    if roots is None:
+        return True, None
+    if isinstance(roots, list) and roots and all(isinstance(root, str) for root in roots):
+        return True, tuple(roots)
+    return False, None
 
 
 def _connectionfailed(exc: BaseException) -> bool:
@@ -529,7 +547,8 @@ class Coordinator:
                 raise failed(url, f"unknown participant kind {kind!r}")
             checks = status.get("restore_checks")
             checked = frozenset(name for name in checks if isinstance(name, str)) if isinstance(checks, list) else ()
-            return ParticipantInfo(url, kind, str(status.get("instance")), frozenset(checked))
+            reported, roots = _allowed_roots(status)
+            return ParticipantInfo(url, kind, str(status.get("instance")), frozenset(checked), roots, reported)
         raise AssertionError("unreachable: the last try returns or raises")  # pragma: no cover
 
     async def _pause(self, seconds: float) -> None:

@@ -208,6 +208,13 @@ class StatusReply(BaseModel):
         description="The optional restore fields this server checks (gymckpt's: manifest_sha256, "
         "source_checkpoint_id); a controller sends them only to a server that lists them.",
     )
+    allowed_roots: list[str] | None = Field(
+        default=None,
+        description="Where a checkpoint_dir may lie (the setting checkpoint.allowed_roots, each resolved as "
+        "requests are compared with it); null allows any local path and file:// or s3:// URL. A controller "
+        "checks its directory against it before it starts; a status without the key (a reference server) "
+        "says nothing.",
+    )
 
 
 class ErrorDetail(BaseModel):

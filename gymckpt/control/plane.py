@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt import telemetry
-from gymckpt.control.allowed_roots import open_allowed_store
+from gymckpt.control.allowed_roots import normalize_location, open_allowed_store
 from gymckpt.control.models import (
     CommitReply,
     ForgetReply,
@@ -33,6 +33,7 @@ from gymckpt.control.models import (
 from gymckpt.control.restore_source import RESTORE_CHECKS, expected_manifest
 from gymckpt.errors import (
     CheckpointConflict,
+    CheckpointDirNotAllowed,
     ControlError,
     DeadlineExceeded,
     ExportFailed,
@@ -243,7 +244,7 @@ class ControlPlane:
     # --- routes
 
     def status(self) -> StatusReply:
-        """The participant's phase, lease, marks and readiness."""
+        """The participant's phase, lease, marks and readiness, and where checkpoint directories may lie."""
         return StatusReply(
             kind=self.participant.kind,
             instance=self.participant.instance,
@@ -253,6 +254,7 @@ class ControlPlane:
             retired_rollouts=len(self.marks),
             report=self._report(),
             restore_checks=list(RESTORE_CHECKS),
+            allowed_roots=_reported_roots(self.allowed_roots),
             **self.participant.status_extra(),
         )
 
@@ -733,6 +735,23 @@ class ControlPlane:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._lease_task
+
+
+def _reported_roots(roots: list[str] | None) -> list[str] | None:
+    """The status's ``allowed_roots``: each root as requests are compared with it (a local one resolved here).
+
+    Resolved by the server, a relative root (``./checkpoints``) means what it means to the
+    server, not to the collector reading the status.
+    """
+    if roots is None:
+        return None
+    reported = []
+    for root in roots:
+        try:
+            reported.append(normalize_location(root))
+        except CheckpointDirNotAllowed:  # a URL root with '.' segments: every request under it is refused
+            reported.append(root)
+    return reported
 
 
 def readiness_report(participant: Participant) -> PrepareReport:

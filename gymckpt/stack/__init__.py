@@ -2,6 +2,8 @@
 
 - :mod:`gymckpt.stack.kinds`: the server kinds (:data:`KINDS`), :func:`build_server` for
   one server's app, and :func:`app_from_env` (``uvicorn --factory gymckpt.stack:app_from_env``);
+- :mod:`gymckpt.stack.apps`: an app of your own served as a kind is (``gymckpt serve --app
+  module:attr``): :func:`load_app` and the :class:`LoadedApp` it gives;
 - :mod:`gymckpt.stack.supervisor`: :class:`Stack` and :class:`ServerProcess`, servers in
   their own process groups on kept sockets (SIGKILL, restart on the same port), and
   :func:`load_stack` from a stack file or dict;
@@ -19,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gymckpt.stack.apps import LoadedApp, load_app
     from gymckpt.stack.harness import (
         CheckpointOutcome,
         RestoreOutcome,
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KINDS",
     "CheckpointOutcome",
+    "LoadedApp",
     "RestoreOutcome",
     "RolloutHarness",
     "ServerProcess",
@@ -41,6 +45,7 @@ __all__ = [
     "app_from_env",
     "build_server",
     "default_stack_spec",
+    "load_app",
     "load_stack",
     "task_for",
 ]
@@ -50,6 +55,8 @@ _HOME = {
     "KINDS": "kinds",
     "app_from_env": "kinds",
     "build_server": "kinds",
+    "LoadedApp": "apps",
+    "load_app": "apps",
     "ServerProcess": "supervisor",
     "Stack": "supervisor",
     "load_stack": "supervisor",

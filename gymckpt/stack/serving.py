@@ -1,10 +1,13 @@
-"""Run one reference server as ``gymckpt serve`` does: one process, or several uvicorn workers.
+"""Run one server as ``gymckpt serve`` does: one process, or several uvicorn workers.
 
-With ``workers`` above 1, this process becomes the server's main process: it writes the
-routing secret, starts the checkpoint coordinator (checkpointing on) on a thread of its own
+The server is a reference kind (``serve(kind, …)``) or an app of your own (``serve(None, …,
+app="module:attr")``, :mod:`gymckpt.stack.apps`); both run the same way. With ``workers``
+above 1, this process becomes the server's main process: it writes the routing secret,
+starts the checkpoint coordinator (checkpointing on) on a thread of its own
 (:class:`~gymckpt.workers.process.CoordinatorThread`), and runs uvicorn's supervisor, which
-starts the workers from :func:`~gymckpt.stack.kinds.app_from_env` and starts a worker again
-when one dies. Each worker links to the coordinator and routes sessions to their owners
+starts the workers from :func:`~gymckpt.stack.kinds.app_from_env` (a kind) or
+:func:`~gymckpt.stack.apps.app_from_env` (an app) and starts a worker again when one dies.
+Each worker links to the coordinator and routes sessions to their owners
 (:func:`~gymckpt.workers.process.install_worker`).
 
 Connections: uvicorn keeps an idle connection ``keep_alive`` seconds (default
@@ -44,6 +47,7 @@ from gymckpt.stack.request_deadlines import CONNECTION_BUDGET_ENV, DeadlineProto
 
 if TYPE_CHECKING:
     from gymckpt.servers.base import ServerConfig
+    from gymckpt.stack.apps import LoadedApp
     from gymckpt.workers.process import CoordinatorThread
 
 __all__ = [
@@ -121,7 +125,7 @@ def _uvicorn_log_config() -> dict[str, object]:
 
 
 def serve(
-    kind: str,
+    kind: str | None,
     config_file: str | None,
     *,
     host: str = "127.0.0.1",
@@ -130,19 +134,25 @@ def serve(
     workers: int = 1,
     log_level: str | None = None,
     keep_alive: float | None = None,
+    app: str | LoadedApp | None = None,
 ) -> None:
-    """Serve ``kind`` until interrupted; ``fd`` is an inherited listening socket (else ``host:port``).
+    """Serve ``kind``, or ``app`` (``module:attr``, or one :func:`~gymckpt.stack.apps.load_app` loaded), until interrupted.
 
-    ``log_level`` (default ``GYMCKPT_LOG_LEVEL``, else info) is gymckpt's; uvicorn logs
-    warnings only (its access log only at debug). ``keep_alive`` (default
-    ``GYMCKPT_KEEP_ALIVE``, else 75 s) is how long an idle connection stays open; this
-    process's clients and its workers' keep theirs at most half as long. ``OTEL_*``
-    variables configure telemetry in this process and in every worker. The request deadlines
-    and the connection budget (``GYMCKPT_HEADER_TIMEOUT``, ``GYMCKPT_BODY_GRACE``,
+    ``fd`` is an inherited listening socket (else ``host:port``); ``config_file`` is the
+    kind's config, or the app's settings file. ``log_level`` (default ``GYMCKPT_LOG_LEVEL``,
+    else info) is gymckpt's; uvicorn logs warnings only (its access log only at debug).
+    ``keep_alive`` (default ``GYMCKPT_KEEP_ALIVE``, else 75 s) is how long an idle connection
+    stays open; this process's clients and its workers' keep theirs at most half as long.
+    ``OTEL_*`` variables configure telemetry in this process and in every worker. The request
+    deadlines and the connection budget (``GYMCKPT_HEADER_TIMEOUT``, ``GYMCKPT_BODY_GRACE``,
     ``GYMCKPT_BODY_MIN_RATE``, ``GYMCKPT_CONNECTION_BUDGET``) are checked before uvicorn starts.
+    An app given as ``module:attr`` is loaded here (:class:`~gymckpt.errors.AppNotLoadable`);
+    one already loaded must have been loaded with ``serving_here=(workers == 1)``.
     """
     import uvicorn
 
+    if (kind is None) == (app is None):
+        raise ValueError("serve one server: a kind or an app, not both or neither")
     if not 1 <= workers <= MAX_WORKERS:
         raise ValueError(f"workers must be between 1 and {MAX_WORKERS}, not {workers}")
     level = (log_level or os.environ.get(telemetry.LOG_LEVEL_ENV) or "info").lower()
@@ -153,9 +163,16 @@ def serve(
             raise ValueError(f"keep_alive must be a positive number of seconds, not {keep_alive}")
         os.environ[transport.KEEP_ALIVE_ENV] = repr(float(keep_alive))  # the workers' clients read it
     seconds = transport.server_keep_alive()
-    telemetry.configure_from_environment(f"gymckpt-{kind}")
-    config = load_config(kind, config_file)
-    budget = check_descriptor_budget(kind, config, workers=workers)
+    loaded = None if app is None else _load(app, config_file, workers)
+    if loaded is None:
+        assert kind is not None
+        telemetry.configure_from_environment(f"gymckpt-{kind}")
+        config = load_config(kind, config_file)
+    else:
+        telemetry.configure_from_environment(loaded.service_name)  # a no-op once the app's install did it
+        config = _app_pools()
+    label = kind if loaded is None else loaded.spec
+    budget = check_descriptor_budget(label, config, workers=workers)
     if not os.environ.get(CONNECTION_BUDGET_ENV, "").strip() and budget.inbound is not None and budget.inbound > 0:
         os.environ[CONNECTION_BUDGET_ENV] = str(budget.inbound)  # this process's and every worker's
     options = uvicorn_options(level, keep_alive=seconds)
@@ -167,30 +184,66 @@ def serve(
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         fd = socket.create_server((host, 0), family=family, backlog=transport.LISTEN_BACKLOG).detach()
     where = {"fd": fd} if fd is not None else {"host": host, "port": port}
-    logger.info("%s", startup_line(kind, config, listening_url(host, port, fd), workers=workers))
+    url = listening_url(host, port, fd)
+    if loaded is None:
+        assert kind is not None
+        logger.info("%s", startup_line(kind, config, url, workers=workers))
+    else:
+        logger.info("%s", loaded.startup_line(url, workers=workers))
     os.environ[STARTUP_LINE_ENV] = "1"  # install_checkpointing, here or in a worker, logs no line of its own
     if workers == 1:
-        app, _ = build_server(kind, config_file)
-        uvicorn.run(app, **options, **where)  # type: ignore[arg-type]
+        served = build_server(kind, config_file)[0] if loaded is None else loaded.app  # type: ignore[arg-type]
+        uvicorn.run(served, **options, **where)  # type: ignore[arg-type]
         return
     from gymckpt.workers.process import ENV_SOCKET, CoordinatorThread, worker_environment
 
-    # no participant (checkpointing off, not a Gym server, an auxiliary model): the workers only route sessions
-    block = config.checkpoint if _is_participant(kind, config) else None
-    instance = str(getattr(config, "instance", f"{PARTICIPANT_KINDS.get(kind, kind)}-0"))
-    env = worker_environment(block, workers, f"{kind}/{instance}")
-    env[KIND_ENV] = kind
-    env[CONFIG_ENV] = str(Path(config_file).resolve()) if config_file else ""
+    if loaded is None:
+        assert kind is not None
+        # no participant (checkpointing off, not a Gym server, an auxiliary model): the workers only route sessions
+        block = config.checkpoint if _is_participant(kind, config) else None
+        participant = PARTICIPANT_KINDS.get(kind, kind)
+        instance = str(getattr(config, "instance", f"{participant}-0"))
+        env = worker_environment(block, workers, f"{kind}/{instance}")
+        env[KIND_ENV] = kind
+        env[CONFIG_ENV] = str(Path(config_file).resolve()) if config_file else ""
+        factory = "gymckpt.stack.kinds:app_from_env"
+    else:
+        from gymckpt.stack.apps import APP_ENV
+
+        installed = loaded.installed
+        block = loaded.block
+        participant = installed.kind if installed is not None else "app"
+        instance = installed.instance if installed is not None else "app-0"
+        env = worker_environment(block, workers, f"{participant}/{instance}")
+        env[APP_ENV] = loaded.spec
+        factory = "gymckpt.stack.apps:app_from_env"
     coordinator: CoordinatorThread | None = None
     if block is not None:
-        coordinator = CoordinatorThread(PARTICIPANT_KINDS[kind], instance, block, workers=workers)
+        coordinator = CoordinatorThread(participant, instance, block, workers=workers)
         env[ENV_SOCKET] = str(coordinator.start())
     os.environ.update(env)
     try:
-        uvicorn.run("gymckpt.stack.kinds:app_from_env", factory=True, workers=workers, **options, **where)  # type: ignore[arg-type]
+        uvicorn.run(factory, factory=True, workers=workers, **options, **where)  # type: ignore[arg-type]
     finally:
         if coordinator is not None:
             coordinator.stop()
+
+
+def _load(app: str | LoadedApp, config_file: str | None, workers: int) -> LoadedApp:
+    """The app, built here (its own install logs no startup line: this process logs the server's)."""
+    from gymckpt.stack.apps import load_app
+
+    if not isinstance(app, str):
+        return app
+    os.environ[STARTUP_LINE_ENV] = "1"
+    return load_app(app, config_file=config_file, serving_here=workers == 1)
+
+
+def _app_pools() -> ServerConfig:
+    """What the descriptor budget of an app of your own counts: gymckpt's default pool bounds, one host."""
+    from gymckpt.servers.base import ServerConfig
+
+    return ServerConfig()
 
 
 def _is_participant(kind: str, config: ServerConfig) -> bool:

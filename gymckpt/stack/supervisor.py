@@ -18,15 +18,21 @@ A stack file::
 
 ``"{name}"`` in a config value is replaced by that server's base URL; ``workers: N`` runs a
 server as N uvicorn workers (``gymckpt serve KIND --workers N``), and :meth:`Stack.start`
-can start it again with another count. The servers inherit this process's environment:
+can start it again with another count. An entry names either a ``kind:`` or an ``app:`` of
+your own (``module:attr``, started as ``gymckpt serve --app module:attr``, imported from the
+directory the stack starts in); an app's ``config:`` is its settings file (the stack's
+``checkpoint:`` block included), e.g.
+``{name: notes, app: "examples.tool_server:app", workers: 2}``. The servers inherit this process's environment:
 ``GYMCKPT_LOG_LEVEL``, ``GYMCKPT_KEEP_ALIVE`` and ``GYMCKPT_POOL_LIMIT`` reach each of them
 (``gymckpt stack up --log-level … --keep-alive …`` sets the first two).
 
 A stack file is checked whole before any socket opens or server starts: a key that looks
 like one a stack file (or its entries) may hold (``chekpoint:``, ``Checkpoint:``,
-``server:``) is refused with a did-you-mean, as are a ``"{name}"`` that names no server and
-each server's config (:func:`~gymckpt.stack.kinds.load_config`); every error is a
-:class:`~gymckpt.errors.SettingsError` naming the file and the key path.
+``server:``, ``ap:``) is refused with a did-you-mean, as are a ``"{name}"`` that names no
+server, each server's config (:func:`~gymckpt.stack.kinds.load_config`; an app's
+``checkpoint:`` block), an entry with both ``kind:`` and ``app:`` or neither, and an app
+whose module is not to be found (it is not imported: its own errors come when it starts);
+every error is a :class:`~gymckpt.errors.SettingsError` naming the file and the key path.
 
 The servers' configs (with the control token) and logs go to the stack's working
 directory: a temporary ``gymckpt-stack-*`` one unless ``workdir`` is given, removed when
@@ -51,18 +57,21 @@ from typing import Any
 import yaml
 
 from gymckpt.control.settings import load_settings, misspelled_keys, misspellings, read_yaml_file
-from gymckpt.errors import SettingsError
+from gymckpt.errors import AppNotLoadable, SettingsError
+from gymckpt.stack.apps import check_app_spec
 from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields, load_config
 from gymckpt.transport import LISTEN_BACKLOG
 
-__all__ = ["ENTRY_KEYS", "STACK_KEYS", "WORKDIR_PREFIX", "ServerProcess", "Stack", "load_stack"]
+__all__ = ["APP_KIND", "ENTRY_KEYS", "STACK_KEYS", "WORKDIR_PREFIX", "ServerProcess", "Stack", "load_stack"]
 
 logger = logging.getLogger(__name__)
 
 #: the keys a stack file's top level holds (others are left alone unless they look like one of these)
 STACK_KEYS = frozenset({"host", "checkpoint", "workers", "servers"})
 #: the keys of one ``servers:`` entry (the same rule)
-ENTRY_KEYS = frozenset({"name", "kind", "port", "workers", "config"})
+ENTRY_KEYS = frozenset({"name", "kind", "app", "port", "workers", "config"})
+#: the ``kind`` of an ``app:`` entry's :class:`ServerProcess` (its ``app`` names the app)
+APP_KIND = "app"
 #: the name of a stack's temporary working directory starts so (in the system's temporary directory)
 WORKDIR_PREFIX = "gymckpt-stack-"
 
@@ -82,6 +91,13 @@ class ServerProcess:
     process: subprocess.Popen[bytes] | None = None
     #: uvicorn worker processes (``--workers``)
     workers: int = 1
+    #: an app of your own (``module:attr``, ``gymckpt serve --app``); ``kind`` is then :data:`APP_KIND`
+    app: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What the server runs: its kind, or its app's ``module:attr``."""
+        return self.app or self.kind
 
     @property
     def url(self) -> str:
@@ -94,10 +110,11 @@ class ServerProcess:
         config_file.write_text(yaml.safe_dump(self.config))
         fd = self.sock.fileno()
         log = self.log_path.open("ab")
+        what = ("--app", self.app) if self.app is not None else (self.kind,)
         try:
             self.process = subprocess.Popen(
                 [
-                    *(sys.executable, "-m", "gymckpt", "serve", self.kind),
+                    *(sys.executable, "-m", "gymckpt", "serve", *what),
                     *("--fd", str(fd), "--config", str(config_file), "--workers", str(self.workers)),
                 ],
                 pass_fds=(fd,),
@@ -252,21 +269,26 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
         workdir.mkdir(parents=True, exist_ok=True)  # the servers' configs and logs go there
     stack = Stack(workdir=workdir, keep_workdir=keep_workdir)
     try:
-        for name, kind, port, workers, _ in entries:
+        for name, kind, app, port, workers, _ in entries:
             # the servers' own backlog: connects made while a server (re)starts wait here
             sock = socket.create_server((host, port), backlog=LISTEN_BACKLOG)
             sock.set_inheritable(True)
-            stack.servers[name] = ServerProcess(name, kind, {}, sock, stack.workdir / f"{name}.log", workers=workers)
+            log = stack.workdir / f"{name}.log"
+            stack.servers[name] = ServerProcess(name, kind, {}, sock, log, workers=workers, app=app)
         urls = stack.urls
-        for index, (name, kind, _, _, config) in enumerate(entries):
+        for index, (name, kind, app, _, _, config) in enumerate(entries):
             where = f"servers[{index}].config"
             resolved = _resolve(config, urls, path, where)
             if checkpoint is not None and kind not in NOT_GYM and "checkpoint" not in resolved:
                 resolved["checkpoint"] = checkpoint
-            if "instance" in config_fields(kind):
+            if app is None and "instance" in config_fields(kind):
                 resolved.setdefault("instance", name)
             try:
-                load_config(kind, resolved)  # what the server will read: refused here, before any starts
+                # what the server will read: refused here, before any starts (an app: its checkpoint: block)
+                if app is not None:
+                    load_settings(resolved)
+                else:
+                    load_config(kind, resolved)
             except SettingsError as exc:
                 prefix = f"{where}."
                 raise SettingsError([(prefix + key, why) for key, why in exc.problems], path=path) from None
@@ -285,8 +307,8 @@ def _check_block(checkpoint: Any, path: str) -> None:
         raise SettingsError(exc.problems, path=path) from None
 
 
-def _checked_entries(data: Any, path: str) -> list[tuple[str, str, int, int, dict[str, Any]]]:
-    """``(name, kind, port, workers, config)`` of each entry; every mistake of the file at once."""
+def _checked_entries(data: Any, path: str) -> list[tuple[str, str, str | None, int, int, dict[str, Any]]]:
+    """``(name, kind, app, port, workers, config)`` of each entry; every mistake of the file at once."""
     if not isinstance(data, dict):
         raise SettingsError("a stack file is a mapping with a 'servers' list", path=path)
     problems = misspelled_keys(data, STACK_KEYS)
@@ -305,15 +327,19 @@ def _checked_entries(data: Any, path: str) -> list[tuple[str, str, int, int, dic
             problems.append((where, "must be a mapping with a name and a kind"))
             continue
         problems.extend(misspelled_keys(entry, ENTRY_KEYS, prefix=f"{where}."))
-        name, kind = entry.get("name"), entry.get("kind")
+        name, kind, app = entry.get("name"), entry.get("kind"), entry.get("app")
         if not isinstance(name, str) or not name:
             problems.append((f"{where}.name", "required: the server's name"))
         elif name in names:
             problems.append((f"{where}.name", f"two servers are named {name!r}"))
-        if kind not in KINDS:
+        if "app" in entry:
+            problems.extend(_app_problems(entry, where))
+            kind = APP_KIND
+        elif kind not in KINDS:
             meant = misspellings({kind: None}, KINDS).get(kind) if isinstance(kind, str) else None
             hint = f"; did you mean {meant!r}?" if meant else ""
-            problems.append((f"{where}.kind", f"{kind!r} is no server kind{hint} (one of {', '.join(KINDS)})"))
+            either = f"one of {', '.join(KINDS)}; or app: module:attr, an app of your own"
+            problems.append((f"{where}.kind", f"{kind!r} is no server kind{hint} ({either})"))
         port, workers = _port(entry.get("port", 0)), entry.get("workers", default_workers)
         if port is None:
             problems.append((f"{where}.port", "must be a port number, 0 to 65535 (0: a free one)"))
@@ -324,10 +350,27 @@ def _checked_entries(data: Any, path: str) -> list[tuple[str, str, int, int, dic
             problems.append((f"{where}.config", "must be a mapping (the server's config)"))
         if isinstance(name, str) and name:
             names.add(name)
-        entries.append((name, kind, port or 0, workers, dict(config) if isinstance(config, dict) else {}))
+        config = dict(config) if isinstance(config, dict) else {}
+        entries.append((name, kind, app if isinstance(app, str) else None, port or 0, workers, config))
     if problems:
         raise SettingsError(problems, path=path)
     return entries
+
+
+def _app_problems(entry: dict[str, Any], where: str) -> list[tuple[str, str]]:
+    """What is wrong with an ``app:`` entry: a ``kind:`` beside it, an app that is no ``module:attr`` to be found."""
+    problems = []
+    if "kind" in entry:
+        problems.append((where, "give a kind or an app, not both"))
+    app = entry["app"]
+    if not isinstance(app, str):
+        problems.append((f"{where}.app", "must be module:attr, an app of your own (e.g. examples.tool_server:app)"))
+        return problems
+    try:
+        check_app_spec(app)  # found, not imported: the app's own code runs in its server's process
+    except AppNotLoadable as exc:
+        problems.append((f"{where}.app", str(exc).removeprefix(f"--app {app!r}: ").removeprefix(f"--app {app}: ")))
+    return problems
 
 
 def _port(value: Any) -> int | None:

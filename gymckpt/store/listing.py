@@ -5,6 +5,14 @@ finds (restore finds the same participants), minus the hidden directories a prun
 (:data:`~gymckpt.store.pruning.PRUNING_PREFIX`), plus the object keys no store-relative path
 names (``a//b``, ``a/./b``, ``a/../b``): no reader of gymckpt reads those, and ``verify``
 reports each one (:func:`place_unaddressable`) rather than skip it.
+
+On a filesystem, where a directory exists without a file in it, the listing also holds the
+participant directories no file is in, and the ``gym/`` directories no participant is in
+(:func:`_add_empty_directories`): what a failed commit leaves behind once its temporary file
+is removed. ``verify`` reports them as unfinished commits, never "no checkpoint here".
+
+:func:`participant_rows` gives ``inspect`` its rows, with a cheap look at each records file
+(:func:`records_size`: present, and of the size its manifest claims) and no re-hash.
 """
 
 from __future__ import annotations
@@ -13,18 +21,19 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gymckpt.errors import InvalidCheckpointState
-from gymckpt.store.backend import EntryKind
+from gymckpt.errors import InvalidCheckpointState, RecordsMissing, RecordsSizeMismatch
+from gymckpt.store.backend import EntryKind, join
 from gymckpt.store.layout import (
     GYM_DIR,
     INDEX_NAME,
     MANIFEST_NAME,
+    CheckpointLayout,
     is_readable_name,
     is_records_name,
     participant_directory,
     scan_checkpoints,
 )
-from gymckpt.store.participant import read_manifest_file
+from gymckpt.store.participant import expected_records, read_manifest_file
 from gymckpt.store.printable import json_text
 from gymckpt.store.pruning import is_pruning_name
 
@@ -32,7 +41,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
     from gymckpt.store.backend import StorageBackend
-    from gymckpt.store.layout import CheckpointLayout
+    from gymckpt.store.manifest import Manifest
 
 __all__ = [
     "StoreListing",
@@ -41,6 +50,7 @@ __all__ = [
     "list_store",
     "participant_rows",
     "place_unaddressable",
+    "records_size",
     "walk_store",
 ]
 
@@ -98,7 +108,65 @@ def list_store(backend: StorageBackend) -> StoreListing:
     entries, unaddressable = walk_store(backend)
     kept = [(path, kind) for path, kind in entries if not _being_pruned(path)]
     odd = [key for key in unaddressable if not _being_pruned(posixpath.normpath(key).lstrip("/"))]
-    return StoreListing(scan_checkpoints(kept), odd)
+    checkpoints = scan_checkpoints(kept)
+    # a directory without files exists only where directories are real (the local backend; on object
+    # storage and in memory a directory is implied by the keys below it, so there is nothing more to find)
+    if backend.supports_directory_fsync:
+        occupied = {path.rpartition("/")[0] for path, _ in kept}
+        for directory in list(occupied):
+            while directory and (directory := directory.rpartition("/")[0]) not in occupied:
+                occupied.add(directory)
+        checkpoints = _add_empty_directories(backend, checkpoints, occupied)
+    return StoreListing(checkpoints, odd)
+
+
+def _add_empty_directories(
+    backend: StorageBackend, checkpoints: dict[str, CheckpointLayout], occupied: set[str]
+) -> dict[str, CheckpointLayout]:
+    """``checkpoints`` with the participant directories no file is in, and the ``gym/`` directories no
+    participant is in (a checkpoint of its own when no file is below it), sorted by directory again.
+
+    ``occupied`` holds every directory with an entry below it, which the scan placed. One listing
+    of each directory that is not below a ``gym/`` directory, of each ``gym/`` and of each kind
+    directory; a directory inside one a prune is deleting is skipped.
+    """
+    pending = [""]
+    while pending:
+        directory = pending.pop()
+        for name in backend.list_dir(directory):
+            if not name.endswith("/"):
+                continue  # a file (the scan has it), a symlink or special file (never followed)
+            child = join(directory, name[:-1])
+            if _being_pruned(child):
+                continue
+            if name[:-1] == GYM_DIR:
+                _add_gym_directory(backend, checkpoints, occupied, directory)
+            else:
+                pending.append(child)
+    return dict(sorted(checkpoints.items()))
+
+
+def _add_gym_directory(
+    backend: StorageBackend, checkpoints: dict[str, CheckpointLayout], occupied: set[str], checkpoint: str
+) -> None:
+    """Add what ``<checkpoint>/gym/`` holds that no file is in: its empty participant directories, or the
+    checkpoint itself when nothing below its ``gym/`` is a file (see the caller)."""
+    gym = join(checkpoint, GYM_DIR)
+    empty: list[tuple[str, str]] = []
+    for kind in backend.list_dir(gym):
+        if not kind.endswith("/") or not is_readable_name(kind[:-1]):
+            continue  # a file, or a directory that is no kind: the scan places what is in it
+        for instance in backend.list_dir(join(gym, kind)):
+            path = join(gym, kind, instance)
+            if instance.endswith("/") and is_readable_name(instance[:-1]) and path not in occupied:
+                empty.append((kind[:-1], instance[:-1]))
+    if not empty and gym in occupied:
+        return  # every participant directory holds a file, or the files are a checkpoint's nested below
+    layout = checkpoints.get(checkpoint)
+    if layout is None:
+        layout = checkpoints[checkpoint] = CheckpointLayout(checkpoint)
+    for kind, instance in empty:
+        layout.participant(kind, instance)
 
 
 def list_checkpoints(backend: StorageBackend) -> dict[str, CheckpointLayout]:
@@ -138,15 +206,48 @@ def place_unaddressable(key: str, checkpoints: Iterable[str]) -> KeyPlacement:
     return KeyPlacement(key, "/".join(parts[:chosen]), normalized, leaves_root or at_state)
 
 
-def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointLayout]) -> Iterator[dict[str, Any]]:
-    """One row per participant: its manifest's format, counts, sizes, episodes and extras, or why it is damaged.
+def records_size(backend: StorageBackend, manifest: Manifest) -> int:
+    """The size of the manifest's records file, checked without reading it: present, and of the size the
+    manifest claims (a reference manifest claims none).
 
-    Manifests are read by the same bounded, validating read a restore uses; records are not read.
-    A reference-format manifest claims no size and lists no episodes: ``records_bytes`` and
-    ``episode_ids`` are None in its row. The checkpoint's name is given as :func:`json_text` makes
-    it (a byte of a directory name that is not UTF-8 as ``\\xNN``).
+    Raises :class:`~gymckpt.errors.RecordsMissing` or :class:`~gymckpt.errors.RecordsSizeMismatch`
+    (a truncated or grown file), or another :class:`~gymckpt.errors.InvalidCheckpointState` (a
+    symlink where the file belongs). What ``verify --quick`` and ``inspect`` check; the digest,
+    count and lines are ``verify``'s.
+    """
+    expected = expected_records(manifest)
+    try:
+        size = backend.size(manifest.records_path)
+    except FileNotFoundError as exc:
+        if isinstance(exc, InvalidCheckpointState):
+            raise
+        raise expected.fail(RecordsMissing, "records file is missing") from exc
+    if manifest.records_bytes is not None and size != manifest.records_bytes:
+        raise expected.fail(
+            RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
+        )
+    return size
+
+
+def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointLayout]) -> Iterator[dict[str, Any]]:
+    """One row per participant: its manifest's format, counts, sizes, episodes and extras, and why it is
+    damaged where it is (``damaged``: ``problem: reason``).
+
+    Manifests are read by the same bounded, validating read a restore uses; records are not read,
+    only their size asked (:func:`records_size`), so a missing, truncated or grown records file is
+    marked damaged and its manifest's fields are kept in the row. A reference-format manifest
+    claims no size and lists no episodes: ``records_bytes`` and ``episode_ids`` are None in its
+    row. A checkpoint with no participant (an empty ``gym/``) is one row, participant ``""``. The
+    checkpoint's name is given as :func:`json_text` makes it (a byte of a directory name that is not
+    UTF-8 as ``\\xNN``).
     """
     for checkpoint, layout in checkpoints.items():
+        if not layout.participants:
+            yield {
+                "checkpoint": json_text(checkpoint),
+                "participant": "",
+                "damaged": "no participant in gym/ (unfinished commit)",
+            }
         for kind, instance in sorted(layout.participants):
             path = f"{participant_directory(checkpoint, kind, instance)}/{MANIFEST_NAME}"
             row: dict[str, Any] = {"checkpoint": json_text(checkpoint), "participant": f"{kind}/{instance}"}
@@ -154,16 +255,23 @@ def participant_rows(backend: StorageBackend, checkpoints: dict[str, CheckpointL
                 manifest = read_manifest_file(backend, path, kind=kind, instance=instance)
             except InvalidCheckpointState as exc:
                 row["damaged"] = f"{exc.problem}: {json_text(exc.reason)}"
+                yield row
+                continue
             except FileNotFoundError:
                 row["damaged"] = "no manifest (unfinished commit)"
-            else:
-                row.update(
-                    format=manifest.format,
-                    checkpoint_id=manifest.checkpoint_id,
-                    record_count=manifest.record_count,
-                    records_bytes=manifest.records_bytes,
-                    records_file=manifest.records_file,
-                    episode_ids=None if manifest.episode_ids is None else list(manifest.episode_ids),
-                    extra=manifest.extra,
-                )
+                yield row
+                continue
+            row.update(
+                format=manifest.format,
+                checkpoint_id=manifest.checkpoint_id,
+                record_count=manifest.record_count,
+                records_bytes=manifest.records_bytes,
+                records_file=manifest.records_file,
+                episode_ids=None if manifest.episode_ids is None else list(manifest.episode_ids),
+                extra=manifest.extra,
+            )
+            try:
+                records_size(backend, manifest)
+            except InvalidCheckpointState as exc:
+                row["damaged"] = f"{exc.problem}: {json_text(exc.reason)}"
             yield row

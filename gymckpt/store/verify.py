@@ -21,6 +21,14 @@ again, and if what published it (its ``checkpoint.json``, or for an unpublished 
 manifests) is gone, so is the checkpoint. An object key no path names (``gym//x``) is a
 finding too, ``unaddressable_key`` (:func:`gymckpt.store.listing.place_unaddressable`).
 
+Each checkpoint gets a status (:class:`CheckpointStatus`): ``published`` (its
+``checkpoint.json``, or the reference's publication), ``unpublished`` (every participant
+committed, nothing published), ``unfinished`` (a participant directory without a manifest, or
+a ``gym/`` without participants, and nothing published: a commit that did not finish, such as
+the empty participant directory a failed commit leaves, which the listing finds on a
+filesystem), ``damaged`` (an error) or ``vanished`` (deleted while it was checked). Only
+``damaged`` is an error; the others are no damage, and the command says which each checkpoint is.
+
 Strings in findings are data from the checkpoint: :meth:`Finding.to_dict` gives a byte of
 a name that is not UTF-8 as ``\\xNN`` (:func:`~gymckpt.store.printable.json_text`); whoever
 shows them to a person escapes them (:func:`~gymckpt.store.printable.printable`).
@@ -38,8 +46,6 @@ from gymckpt.errors import (
     InvalidCheckpointState,
     NoCheckpointFound,
     NotRegularFile,
-    RecordsMissing,
-    RecordsSizeMismatch,
     UnaddressableKey,
 )
 from gymckpt.store.backend import join
@@ -52,9 +58,9 @@ from gymckpt.store.layout import (
     index_path,
     scan_checkpoints,
 )
-from gymckpt.store.listing import list_store, place_unaddressable, walk_store
+from gymckpt.store.listing import list_store, place_unaddressable, records_size, walk_store
 from gymckpt.store.manifest import GYMCKPT_FORMAT, GYMCKPT_ONLY_FIELDS, REFERENCE_FORMAT
-from gymckpt.store.participant import expected_records, iter_manifest_records, read_manifest_file
+from gymckpt.store.participant import iter_manifest_records, read_manifest_file
 from gymckpt.store.printable import json_text
 from gymckpt.store.publication import index_problems, read_index_file
 
@@ -69,6 +75,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHECKPOINT_VANISHED",
+    "CheckpointStatus",
     "FORMAT_NOTES",
     "Finding",
     "NoCheckpointFound",
@@ -94,6 +101,16 @@ CHECKPOINT_VANISHED = "checkpoint_vanished"
 class Severity(StrEnum):
     ERROR = "error"
     WARNING = "warning"
+
+
+class CheckpointStatus(StrEnum):
+    """What one checkpoint is, as far as verify saw (module docstring); only ``damaged`` is an error."""
+
+    PUBLISHED = "published"
+    UNPUBLISHED = "unpublished"
+    UNFINISHED = "unfinished"
+    DAMAGED = "damaged"
+    VANISHED = "vanished"
 
 
 @dataclass(frozen=True)
@@ -143,6 +160,8 @@ class VerifyReport:
     findings: list[Finding] = field(default_factory=list)
     records_checked: int = 0
     bytes_checked: int = 0
+    #: each checkpoint's status, by checkpoint (the names of :attr:`checkpoints`)
+    statuses: dict[str, CheckpointStatus] = field(default_factory=dict)
 
     @property
     def errors(self) -> list[Finding]:
@@ -166,6 +185,14 @@ class VerifyReport:
                 counts[summary.format] += 1
         return counts
 
+    def with_status(self, status: CheckpointStatus) -> list[str]:
+        """The checkpoints of one status, in order."""
+        return [name for name in self.checkpoints if self.statuses.get(name) is status]
+
+    def status_summary(self) -> str:
+        """``1 published, 1 unpublished``: how many checkpoints have each status found."""
+        return ", ".join(f"{len(names)} {status}" for status in CheckpointStatus if (names := self.with_status(status)))
+
     def format_summary(self) -> str:
         """``2 gymckpt format, 1 reference format (no records_bytes, episode_ids, writer)``; only formats found."""
         return ", ".join(f"{count} {FORMAT_NOTES[name]}" for name, count in self.formats.items() if count)
@@ -176,6 +203,11 @@ class VerifyReport:
             "ok": self.ok,
             "quick": self.quick,
             "checkpoints": [json_text(checkpoint) for checkpoint in self.checkpoints],
+            "checkpoint_status": {
+                json_text(checkpoint): str(self.statuses[checkpoint])
+                for checkpoint in self.checkpoints
+                if checkpoint in self.statuses
+            },
             "participants": len(self.participants),
             "formats": self.formats,
             "participant_formats": [summary.to_dict() for summary in self.participants],
@@ -223,7 +255,7 @@ def verify_backend(
     total = _records_total(backend, listing.checkpoints) if progress is not None and not quick else 0
     for checkpoint in report.checkpoints:
         layout = listing.checkpoints.get(checkpoint) or CheckpointLayout(checkpoint)
-        check = _CheckpointCheck(backend, report, layout)
+        check = _CheckpointCheck(backend, report, layout, listed=checkpoint in listing.checkpoints)
         check.unaddressable(odd.get(checkpoint, []))
         check.scan_and_manifests()
         check.records(quick=quick, total=total, progress=progress)
@@ -248,10 +280,14 @@ def _records_total(backend: StorageBackend, checkpoints: dict[str, CheckpointLay
 class _CheckpointCheck:
     """The phases of checking one checkpoint directory; one damage gives one finding."""
 
-    def __init__(self, backend: StorageBackend, report: VerifyReport, layout: CheckpointLayout) -> None:
+    def __init__(
+        self, backend: StorageBackend, report: VerifyReport, layout: CheckpointLayout, *, listed: bool = True
+    ) -> None:
         self.backend = backend
         self.report = report
         self.layout = layout
+        #: False for a checkpoint only object keys no path names place here (nothing of it was listed)
+        self.found = listed
         self.checkpoint = layout.directory
         self.irregular = {path for path, _, _ in layout.irregular}
         #: this checkpoint's findings, handed to the report by :meth:`settle`
@@ -360,11 +396,14 @@ class _CheckpointCheck:
                 files.manifest = None  # deleted while we looked
                 self.files_gone = True
         if manifest is None and key not in self.damaged and not self.listed(key):
+            empty = not (files.manifest or files.records or files.temporary or files.unexpected)
             self.add(
                 "unfinished_commit",
                 Severity.WARNING,
                 files.directory,
-                "participant directory without a manifest: a commit that did not finish",
+                "an empty participant directory: what a commit that failed leaves (no records, no manifest)"
+                if empty
+                else "participant directory without a manifest: a commit that did not finish",
                 participant,
             )
         if manifest is not None:
@@ -445,18 +484,7 @@ class _CheckpointCheck:
     ) -> bool:
         try:
             if quick:
-                expected = expected_records(manifest)
-                try:
-                    size = self.backend.size(manifest.records_path)
-                except FileNotFoundError as exc:
-                    if isinstance(exc, InvalidCheckpointState):
-                        raise
-                    raise expected.fail(RecordsMissing, "records file is missing") from exc
-                if manifest.records_bytes is not None and size != manifest.records_bytes:
-                    raise expected.fail(
-                        RecordsSizeMismatch, f"records file has {size} bytes, manifest says {manifest.records_bytes}"
-                    )
-                checked = size
+                checked = records_size(self.backend, manifest)
             else:
                 advance = None if progress is None else (lambda done: progress(done, total))
                 for _ in iter_manifest_records(self.backend, manifest, scope=(), decode_all=True, progress=advance):
@@ -486,12 +514,21 @@ class _CheckpointCheck:
         if index_path(self.checkpoint) in self.irregular:
             return  # reported by the scan
         if self.layout.index is None:
-            if not self.published_by_reference():
+            if self.found and not self.layout.participants:
+                self.add(
+                    "unfinished_commit",
+                    Severity.WARNING,
+                    join(self.checkpoint, GYM_DIR),
+                    "a gym/ directory without a participant: a commit that did not finish",
+                )
+            elif not self.published_by_reference():
                 self.add(
                     "checkpoint_unpublished",
                     Severity.WARNING,
                     index_path(self.checkpoint),
-                    "no checkpoint.json: the checkpoint was committed but never published",
+                    "no checkpoint.json: a commit that did not finish, so nothing was published"
+                    if self.unfinished()
+                    else "no checkpoint.json: the checkpoint was committed but never published",
                 )
             return
         if self.index is None:
@@ -505,12 +542,29 @@ class _CheckpointCheck:
         for problem in index_problems(self.index, self.checkpoint, self.manifests, damaged=self.damaged | hidden):
             self.add_error(problem)
 
+    def unfinished(self) -> bool:
+        """True when a listed participant has no manifest and none is damaged: its commit did not finish."""
+        return any(key not in self.manifests and key not in self.damaged for key in self.layout.participants)
+
+    def status(self) -> CheckpointStatus:
+        """This checkpoint's status from its findings and files (before :meth:`settle` clears its manifests)."""
+        if any(finding.severity is Severity.ERROR for finding in self.findings):
+            return CheckpointStatus.DAMAGED
+        if self.layout.index is not None or self.published_by_reference():
+            return CheckpointStatus.PUBLISHED
+        if self.found and (not self.layout.participants or self.unfinished()):
+            return CheckpointStatus.UNFINISHED
+        return CheckpointStatus.UNPUBLISHED
+
     def settle(self) -> None:
-        """Hand this checkpoint's findings to the report; one ``checkpoint_vanished`` warning instead if it
-        was deleted or unpublished while it was checked (its errors are then what the deletion did)."""
+        """Hand this checkpoint's findings and status to the report; one ``checkpoint_vanished`` warning
+        instead if it was deleted or unpublished while it was checked (its errors are then what the
+        deletion did)."""
+        status = self.status()
         if (
             self.files_gone or any(finding.severity is Severity.ERROR for finding in self.findings)
         ) and self.vanished():
+            status = CheckpointStatus.VANISHED
             self.findings = [
                 Finding(
                     CHECKPOINT_VANISHED,
@@ -522,6 +576,7 @@ class _CheckpointCheck:
                 )
             ]
         self.report.findings.extend(self.findings)
+        self.report.statuses[self.checkpoint] = status
         self.manifests.clear()  # one checkpoint's manifests at a time
 
     def vanished(self) -> bool:

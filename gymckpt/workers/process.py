@@ -1,7 +1,7 @@
 """The two sides of a server started with several workers: the main process's coordinator
 thread, and what each worker process installs into its app.
 
-The main process (``gymckpt serve KIND --workers N``) runs :class:`CoordinatorThread`: an
+The main process (``gymckpt serve KIND --workers N`` or ``--app MODULE:ATTR``) runs :class:`CoordinatorThread`: an
 event loop of its own holding the server's one control plane, its
 :class:`~gymckpt.workers.coordinator.CoordinatedParticipant` and the
 :class:`~gymckpt.workers.coordinator.WorkerServer` its workers connect to, while uvicorn's
@@ -180,7 +180,8 @@ def install_worker(
         if not environ.get(ENV_SOCKET):
             raise RuntimeError(
                 f"this worker has checkpointing on but no coordinator ({ENV_SOCKET} is unset): start several "
-                "workers with `gymckpt serve KIND --workers N`, which runs the coordinator in the main process"
+                "workers with `gymckpt serve KIND --workers N` (your own app: `gymckpt serve --app MODULE:ATTR "
+                "--workers N`), which runs the coordinator in the main process"
             )
         link = WorkerLink(
             participant,

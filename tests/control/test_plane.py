@@ -1497,6 +1497,7 @@ async def test_status_shape(fake):
             "restarts": ["x"],
         },
         "restore_checks": ["manifest_sha256", "source_checkpoint_id"],
+        "allowed_roots": None,
         "checkpoint_verify": "wait",
     }
 

@@ -1,5 +1,6 @@
 """verify's edges: one checkpoint's manifests at a time, names that are not UTF-8, checkpoints that vanish
-(or lose a file) while they are checked, and the hidden directories a prune leaves."""
+(or lose a file) while they are checked, the hidden directories a prune leaves, and the empty directories
+a failed commit leaves."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import orjson
 import pytest
 
 from gymckpt.store import open_store, verify
+from gymckpt.store._local import LocalBackend
+from gymckpt.store.listing import list_checkpoints
+from gymckpt.store.verify import CheckpointStatus, NoCheckpointFound
 from gymckpt.testing.values import sample_records
 
 if TYPE_CHECKING:
@@ -151,6 +155,7 @@ def test_a_checkpoint_deleted_while_checked_is_one_warning(
     assert done
     assert report.ok, report.findings
     assert findings(report) == [("ck-1", "checkpoint_vanished", "warning", "ck-1/gym")]
+    assert report.statuses == {"ck-1": CheckpointStatus.VANISHED, "ck-2": CheckpointStatus.PUBLISHED}
 
 
 def test_an_unpublished_checkpoint_deleted_while_checked_is_one_warning(
@@ -203,3 +208,91 @@ def test_a_directory_a_prune_is_deleting_is_not_a_checkpoint(tmp_path: Path) -> 
     # named itself, it is checked as any checkpoint is
     named = verify(str(tmp_path / f"{PRUNING_PREFIX}ck-2-00000000"))
     assert [f.code for f in named.errors] == ["checkpoint_index_invalid"]
+
+
+# --- what a failed commit leaves: directories without files
+
+
+def failed_commit(root: Path, checkpoint: str, kind: str = "environment", instance: str = "0") -> str:
+    """A commit whose records stop with an error: its temporary file is removed, its directory stays, empty."""
+
+    def records() -> Any:
+        yield from sample_records(2)
+        raise RuntimeError("the export failed")
+
+    with open_store(str(root)) as store, pytest.raises(RuntimeError):
+        store.write_participant(checkpoint, kind=kind, instance=instance, checkpoint_id="ck", records=records())
+    directory = root / checkpoint / "gym" / kind / instance
+    assert directory.is_dir() and not any(directory.iterdir())
+    return f"{checkpoint}/gym/{kind}/{instance}".lstrip("/")
+
+
+def test_the_directory_a_failed_commit_left_is_an_unfinished_checkpoint(tmp_path: Path) -> None:
+    path = failed_commit(tmp_path, "")
+    report = verify(str(tmp_path))
+    assert report.ok
+    assert findings(report) == [
+        ("", "checkpoint_unpublished", "warning", "gym/checkpoint.json"),
+        ("", "unfinished_commit", "warning", path),
+    ]
+    assert "did not finish" in report.findings[-1].detail  # the index's finding: never "committed"
+    assert "empty participant directory" in report.findings[0].detail
+    assert report.statuses == {"": CheckpointStatus.UNFINISHED}
+    assert [summary.participant for summary in report.participants] == ["environment/0"]
+    assert report.to_dict()["checkpoint_status"] == {"": "unfinished"}
+
+
+def test_an_empty_participant_directory_of_a_published_checkpoint_is_a_warning(tmp_path: Path) -> None:
+    publish(tmp_path, "ck-1")
+    path = failed_commit(tmp_path, "ck-1", "model", "m-0")  # a late participant whose commit failed
+    report = verify(str(tmp_path), quick=True)
+    assert findings(report) == [("ck-1", "unfinished_commit", "warning", path)]
+    assert report.statuses == {"ck-1": CheckpointStatus.PUBLISHED}
+
+
+def test_an_unpublished_checkpoint_with_a_failed_participant_is_unfinished_not_unpublished(tmp_path: Path) -> None:
+    publish(tmp_path, "ck-1")
+    (tmp_path / "ck-1" / "gym" / "checkpoint.json").unlink()
+    path = failed_commit(tmp_path, "ck-1", "model", "m-0")
+    report = verify(str(tmp_path))
+    assert findings(report) == [
+        ("ck-1", "checkpoint_unpublished", "warning", "ck-1/gym/checkpoint.json"),
+        ("ck-1", "unfinished_commit", "warning", path),
+    ]
+    assert "did not finish" in report.findings[-1].detail and "committed" not in report.findings[-1].detail
+    assert report.statuses == {"ck-1": CheckpointStatus.UNFINISHED}
+    os.rmdir(tmp_path / path)  # the failed participant's directory removed: committed, not published
+    report = verify(str(tmp_path))
+    assert findings(report) == [("ck-1", "checkpoint_unpublished", "warning", "ck-1/gym/checkpoint.json")]
+    assert report.statuses == {"ck-1": CheckpointStatus.UNPUBLISHED}
+
+
+def test_a_gym_directory_without_participants_is_unfinished(tmp_path: Path) -> None:
+    (tmp_path / "ck-1" / "gym" / "environment").mkdir(parents=True)  # a kind, no instance yet
+    report = verify(str(tmp_path))
+    assert findings(report) == [("ck-1", "unfinished_commit", "warning", "ck-1/gym")]
+    assert report.statuses == {"ck-1": CheckpointStatus.UNFINISHED}
+
+
+def test_the_listing_adds_only_directories_no_file_is_in(tmp_path: Path) -> None:
+    publish(tmp_path, "ck-1")
+    nested = tmp_path / "ck-1" / "gym" / "model" / "m-0" / "notes"
+    nested.mkdir(parents=True)
+    (nested / "todo.txt").write_text("a file below a participant: the scan's unexpected file, not an empty dir")
+    (tmp_path / "ck-1" / "gym" / "bad name" / "x").mkdir(parents=True)  # no participant name: not one
+    (tmp_path / "ck-1" / "gym" / "agent" / "1").mkdir()
+    (tmp_path / "ck-1" / "unrelated" / "empty").mkdir(parents=True)  # no gym/: nothing
+    (layout,) = list_checkpoints(LocalBackend(str(tmp_path))).values()
+    assert sorted(layout.participants) == [("agent", "0"), ("agent", "1"), ("environment", "0"), ("model", "m-0")]
+    assert layout.participants[("model", "m-0")].unexpected == ["ck-1/gym/model/m-0/notes/todo.txt"]
+    assert layout.participants[("agent", "1")].records == []
+
+
+def test_empty_directories_a_prune_is_deleting_are_not_checkpoints(tmp_path: Path) -> None:
+    failed_commit(tmp_path, "ck-2")
+    rename_away(tmp_path, "ck-2")
+    with pytest.raises(NoCheckpointFound):
+        verify(str(tmp_path))
+    publish(tmp_path, "ck-1")
+    report = verify(str(tmp_path))
+    assert report.checkpoints == ["ck-1"] and report.findings == []
