@@ -6,6 +6,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import (
+    FileTooLarge,
     GymckptError,
     InvalidCheckpointState,
     ManifestConflict,
@@ -15,7 +16,7 @@ from gymckpt.errors import (
     RecordsSizeMismatch,
     StorageError,
 )
-from gymckpt.store.bounds import line_limit, read_document_bytes
+from gymckpt.store.bounds import check_document_cost, line_limit, read_document_bytes
 from gymckpt.store.layout import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -81,6 +82,7 @@ def commit_participant(
             extra=extra,
             max_record_bytes=summary.max_record_bytes,
         )
+        _check_readable(manifest)
         with stop.held() if stop is not None else nullcontext():
             if stop is not None:
                 stop.check()
@@ -96,6 +98,18 @@ def commit_participant(
     finally:
         if not published:
             sink.abort()
+
+
+def _check_readable(manifest: Manifest) -> None:
+    """Refuse, before it is published, a manifest every reader would refuse: a checkpoint nobody can restore."""
+    where = {"path": manifest.path, "participant": manifest.participant}
+    if len(manifest.raw) > MAX_MANIFEST_BYTES:
+        raise FileTooLarge(
+            f"the manifest would be {len(manifest.raw)} bytes, over the {MAX_MANIFEST_BYTES >> 20} MiB readers "
+            "accept: not published (fewer episodes per participant, or smaller extras)",
+            **where,
+        )
+    check_document_cost(manifest.raw, what="the manifest (not published: readers would refuse it)", **where)
 
 
 def _remove_losing_records(backend: StorageBackend, ours: Manifest) -> None:

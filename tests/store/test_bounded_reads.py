@@ -495,3 +495,26 @@ def test_keys_repeated_decides_by_counting_or_says_it_cannot(line: bytes, repeat
             codec.decode_line(b'{"episode_id":"e",' + line[1:])
     else:
         assert codec.decode_line(b'{"episode_id":"e",' + line[1:])["a"] == json.loads(line)["a"]
+
+
+# --- the writer refuses what every reader would refuse
+
+
+@pytest.mark.parametrize("limit", ["size", "budget"])
+def test_a_manifest_no_reader_would_accept_is_never_published(
+    tmp_path: Path, limit: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many episodes (each id is a string in the manifest): refused at commit, not at the restore that needs it."""
+    store = CheckpointStore(LocalBackend(str(tmp_path)))
+    small = store.write_participant("ok", kind="agent", instance="a0", checkpoint_id="c", records=sample_records(3))
+    if limit == "size":
+        monkeypatch.setattr(participant_module, "MAX_MANIFEST_BYTES", len(small.raw) + 200)
+        refused: type[errors.InvalidCheckpointState] = errors.FileTooLarge
+    else:
+        monkeypatch.setattr(bounds_module, "DOCUMENT_BUDGET", document_cost(small.raw) + 2000)
+        refused = errors.DocumentTooComplex
+    with pytest.raises(refused) as raised:
+        store.write_participant("ck", kind="agent", instance="a0", checkpoint_id="c", records=sample_records(400))
+    assert "not published" in str(raised.value)
+    directory = tmp_path / "ck" / "gym" / "agent" / "a0"
+    assert not directory.exists() or list(directory.iterdir()) == []  # no manifest, no records file left
