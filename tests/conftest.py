@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import TYPE_CHECKING
 
 import pytest
@@ -68,6 +69,20 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     run_bounded(function(**arguments), TEST_TIMEOUT)
     return True
+
+
+@pytest.fixture(autouse=True)
+def gymckpt_environment() -> Iterator[None]:
+    """Each test leaves ``GYMCKPT_*`` as it found it.
+
+    An in-process command sets some for the servers it starts (``--log-level`` sets
+    ``GYMCKPT_LOG_LEVEL``); left behind, they would reach every later test's servers.
+    """
+    before = {key: value for key, value in os.environ.items() if key.startswith("GYMCKPT_")}
+    yield
+    for key in [key for key in os.environ if key.startswith("GYMCKPT_") and key not in before]:
+        del os.environ[key]
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="session")

@@ -166,7 +166,12 @@ async def _checkpoint_kill_restore(stack: Stack, directory: Path) -> None:
         assert status["workers"] == 2 and len(status["worker_pids"]) == 2, status
 
 
-def test_serve_app_with_two_workers_checkpoints_and_restores(tmp_path: Path, repo_on_path: None) -> None:
+def test_serve_app_with_two_workers_checkpoints_and_restores(
+    tmp_path: Path, repo_on_path: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the servers inherit this process's environment: an earlier in-process `--log-level warning` (a CLI
+    # test in the same test worker) would hide the INFO startup lines this test reads
+    monkeypatch.setenv("GYMCKPT_LOG_LEVEL", "info")
     with load_stack(_spec(tmp_path), workdir=tmp_path / "stack") as stack:
         stack.start()
         try:
