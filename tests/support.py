@@ -297,3 +297,20 @@ def read_reply(sock: socket.socket) -> bytes:
         assert chunk, data
         body += chunk
     return head + b"\r\n\r\n" + body
+
+
+def prune_while_verifying(
+    monkeypatch: pytest.MonkeyPatch, verify_module: Any, when: str, root: Any, oldest: str, current: str
+) -> list[str]:
+    """Make the collector prune ``oldest`` the first time verify's ``when`` reads it; what it pruned goes in the list."""
+    original = getattr(verify_module, when)
+    pruned: list[str] = []
+
+    def prune_first(backend: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        path = target if isinstance(target, str) else target.path
+        if not pruned and path.startswith(f"{oldest}/"):
+            pruned.extend(root.prune(2, current=current))
+        return original(backend, target, *args, **kwargs)
+
+    monkeypatch.setattr(verify_module, when, prune_first)
+    return pruned

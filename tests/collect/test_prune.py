@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from click.testing import CliRunner
@@ -15,6 +15,8 @@ from gymckpt.cli import main
 from gymckpt.collect.checkpoints import CheckpointRoot, new_checkpoint_id
 from gymckpt.store import open_store, verify
 from gymckpt.store._local import LocalBackend
+
+from ..support import prune_while_verifying
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -95,16 +97,7 @@ def test_verify_of_the_root_while_collect_prunes_warns_and_exits_0(
 ) -> None:
     """``gymckpt verify ROOT`` lists the three; the collector prunes the oldest while verify reads it."""
     root = CheckpointRoot(str(tmp_path))
-    original = getattr(verify_module, when)
-    pruned: list[str] = []
-
-    def prune_first(backend: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        path = target if isinstance(target, str) else target.path
-        if not pruned and path.startswith(f"{three[0]}/"):
-            pruned.extend(root.prune(2, current=three[-1]))
-        return original(backend, target, *args, **kwargs)
-
-    monkeypatch.setattr(verify_module, when, prune_first)
+    pruned = prune_while_verifying(monkeypatch, verify_module, when, root, three[0], three[-1])
     result = CliRunner().invoke(main, ["verify", str(tmp_path), "--json"], env={"GYMCKPT_ENDPOINT_URL": None})
     root.close()
     assert pruned == [three[0]]

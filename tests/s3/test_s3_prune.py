@@ -12,6 +12,7 @@ from gymckpt.collect.checkpoints import CheckpointRoot, new_checkpoint_id
 from gymckpt.store import open_store, verify
 from gymckpt.store._s3 import S3Backend
 
+from ..support import prune_while_verifying
 from .s3_support import BUCKET, all_keys
 
 if TYPE_CHECKING:
@@ -73,16 +74,7 @@ def test_verify_of_the_root_while_collect_prunes_warns(
     s3: Any, s3_url: str, moto_endpoint: MotoEndpoint, three: list[str], monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
     root = CheckpointRoot(s3_url, {"endpoint_url": moto_endpoint.url})
-    original = getattr(verify_module, when)
-    pruned: list[str] = []
-
-    def prune_first(backend: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-        path = target if isinstance(target, str) else target.path
-        if not pruned and path.startswith(f"{three[0]}/"):
-            pruned.extend(root.prune(2, current=three[-1]))
-        return original(backend, target, *args, **kwargs)
-
-    monkeypatch.setattr(verify_module, when, prune_first)
+    pruned = prune_while_verifying(monkeypatch, verify_module, when, root, three[0], three[-1])
     report = verify(s3_url, endpoint_url=moto_endpoint.url)
     root.close()
     assert pruned == [three[0]]

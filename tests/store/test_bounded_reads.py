@@ -36,7 +36,7 @@ from gymckpt.testing.reference_format import write_reference_participant, write_
 from gymckpt.testing.values import assert_identical, sample_records
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
     from pathlib import Path
 
 CHUNK = 64 << 10
@@ -53,15 +53,6 @@ def loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
         monkeypatch.setattr(codec, "_decode_fast_lines", None)
         monkeypatch.setattr(codec, "_decode_fast_line", None)
     return request.param
-
-
-@pytest.fixture
-def tracing() -> Iterator[None]:
-    tracemalloc.start()
-    try:
-        yield
-    finally:
-        tracemalloc.stop()
 
 
 def traced_peak(action: Callable[[], object]) -> int:

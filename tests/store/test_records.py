@@ -497,15 +497,6 @@ def pipeline_bound(line_size: int, codec_cost: int) -> int:
     return slots * (CHUNK + line_size) + RECORD_CHARS + line_size + codec_cost + MARGIN
 
 
-@pytest.fixture
-def tracing() -> Iterator[None]:
-    tracemalloc.start()
-    try:
-        yield
-    finally:
-        tracemalloc.stop()
-
-
 def _codec_costs() -> tuple[int, int, int]:
     sample = next(big_records(1))
     _, line = encode_record(sample)  # warm up
