@@ -35,7 +35,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -43,6 +42,15 @@ import orjson
 from opentelemetry.trace import SpanKind
 
 from gymckpt import errors, telemetry, transport
+from gymckpt.control.coordination_results import (
+    DiscoverResult,
+    EpisodeLike,
+    ParticipantInfo,
+    PrepareResult,
+    reported_roots,
+    runs_to_await,
+    scope_keys,
+)
 from gymckpt.control.models import Phase, PrepareReply
 from gymckpt.control.replies import (
     CONTROL_REPLY_LIMITS,
@@ -56,7 +64,7 @@ from gymckpt.control.replies import (
 from gymckpt.control.restore_source import RESTORE_CHECKS, read_published, restore_bodies
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
-from gymckpt.identity import EpisodeId, episode_key, episode_object
+from gymckpt.identity import EpisodeId, episode_object
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_document
 
@@ -109,131 +117,11 @@ _REFERENCE_POOL_KEYS = {
 RESENT_OPERATIONS = frozenset({"status", "prepare", "renew", "commit", "resume", "restore", "retire", "forget"})
 
 T = TypeVar("T")
-#: an episode id as callers give it: a capture key, an :class:`EpisodeId`, or ``{"rollout_id", "attempt"}``
-EpisodeLike = str | EpisodeId | Mapping[str, Any]
-
-
-# --- episode ids
-
-
-def _key_of(episode: object) -> str:
-    """The capture key of an episode id a caller gave (validated)."""
-    if isinstance(episode, Mapping) and not isinstance(episode, dict):
-        episode = dict(episode)
-    return episode_key(episode)
-
-
-def _scope_keys(episode_ids: Iterable[EpisodeLike]) -> list[str]:
-    """Sorted, de-duplicated capture keys."""
-    return sorted({_key_of(episode) for episode in episode_ids})
 
 
 def _encode(body: dict[str, Any]) -> bytes:
     """A request body, encoded once for every server of an operation."""
     return orjson.dumps(body)
-
-
-# --- results
-
-
-@dataclass(frozen=True)
-class ParticipantInfo:
-    """One server's participant, as discover found it."""
-
-    url: str
-    kind: str
-    instance: str
-    #: the optional restore fields the server checks (its status's ``restore_checks``; none: a reference server)
-    restore_checks: frozenset[str] = frozenset()
-    #: where its checkpoint directories may lie (its status's ``allowed_roots``, resolved by the server):
-    #: None allows any; meaningful only when :attr:`roots_reported`
-    allowed_roots: tuple[str, ...] | None = None
-    #: whether its status says ``allowed_roots`` (a reference server's does not)
-    roots_reported: bool = False
-
-
-@dataclass
-class DiscoverResult:
-    """Participants that answered, servers that are not participants, and servers that failed (with why).
-
-    ``skipped`` lists servers whose status route answered 404: they take no part in
-    checkpoints (an auxiliary model, a relay) and are not a problem. ``problems`` maps each
-    failed server (and ``"deployment"`` when no model participant answered) to a text;
-    ``causes`` holds the same failures as exceptions.
-    """
-
-    participants: list[ParticipantInfo] = field(default_factory=list)
-    problems: dict[str, str] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)
-    causes: dict[str, BaseException] = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def _report(self, server: str, cause: BaseException) -> None:
-        self.causes[server] = cause
-        self.problems[server] = str(cause) or type(cause).__name__
-
-    def raise_for_problems(self) -> DiscoverResult:
-        """Raise one :class:`~gymckpt.errors.CoordinationError` naming every problem; else return self."""
-        if self.causes:
-            raise errors.CoordinationError("discover", self.causes)
-        return self
-
-
-@dataclass
-class PrepareResult:
-    """The prepare replies so far, and whether every participant is prepared.
-
-    ``prepared`` is False when some stage answered a phase other than ``prepared``;
-    ``stopped_at`` names that stage's kind, and the stages after it were never called.
-    """
-
-    prepared: bool
-    replies: dict[str, PrepareReply]
-    stopped_at: str | None = None
-
-    @property
-    def ready(self) -> bool:
-        """The same as :attr:`prepared`."""
-        return self.prepared
-
-    def blockers(self) -> dict[str, list[str]]:
-        """Blocking capture keys of every server not prepared (each list capped by the server at 100)."""
-        return {url: reply.report.blockers for url, reply in self.replies.items() if reply.phase != Phase.PREPARED}
-
-    def restarts(self) -> set[str]:
-        """Every episode some server cannot capture (capture keys): never exported; after a crash it starts over."""
-        return {key for reply in self.replies.values() for key in reply.report.restarts}
-
-    def continued(self, episode_ids: Iterable[EpisodeLike]) -> list[str]:
-        """The commit scope: the episodes the controller continues, restarts left out (sorted capture keys)."""
-        restarts = self.restarts()
-        return [key for key in _scope_keys(episode_ids) if key not in restarts]
-
-
-def runs_to_await(outstanding: Iterable[str], *, committed: Iterable[str], restarts: Iterable[str]) -> list[str]:
-    """The outstanding ``/run`` calls to wait for before building the checkpoint's rollout set.
-
-    Only those whose episode is neither committed nor a restart: restarts keep running
-    through the checkpoint, and committed episodes continue from their records.
-    """
-    skip = set(committed) | set(restarts)
-    return sorted(key for key in outstanding if key not in skip)
-
-
-def _allowed_roots(status: dict[str, Any]) -> tuple[bool, tuple[str, ...] | None]:
-    """Whether a status says its ``allowed_roots`` (null: any; a list of strings), and what it says.
-
-    A status without the key (a reference server's) or with a value of another shape says nothing.
-    """
-    roots = status.get("allowed_roots", ())
-    if roots is None:
-        return True, None
-    if isinstance(roots, list) and roots and all(isinstance(root, str) for root in roots):
-        return True, tuple(roots)
-    return False, None
 
 
 def _connectionfailed(exc: BaseException) -> bool:
@@ -547,7 +435,7 @@ class Coordinator:
                 raise failed(url, f"unknown participant kind {kind!r}")
             checks = status.get("restore_checks")
             checked = frozenset(name for name in checks if isinstance(name, str)) if isinstance(checks, list) else ()
-            reported, roots = _allowed_roots(status)
+            reported, roots = reported_roots(status)
             return ParticipantInfo(url, kind, str(status.get("instance")), frozenset(checked), roots, reported)
         raise AssertionError("unreachable: the last try returns or raises")  # pragma: no cover
 
@@ -599,7 +487,7 @@ class Coordinator:
         resuming, and the participants free what their exported state holds outside.
         """
         with telemetry.operation("coordinate.commit", **self._traced(checkpoint_id)) as op:
-            scope = None if episode_ids is None else [episode_object(key) for key in _scope_keys(episode_ids)]
+            scope = None if episode_ids is None else [episode_object(key) for key in scope_keys(episode_ids)]
             body = {
                 "checkpoint_id": checkpoint_id,
                 "deadline_ts": deadline_ts,
@@ -694,7 +582,7 @@ class Coordinator:
         error is raised (a cleanup error is only logged).
         """
         with telemetry.operation("coordinate.restore", **self._traced(checkpoint_id)) as op:
-            scope = _scope_keys(episode_ids)
+            scope = scope_keys(episode_ids)
             body = {
                 "checkpoint_id": checkpoint_id,
                 "deadline_ts": deadline_ts,
@@ -739,7 +627,7 @@ class Coordinator:
         No episode: no call, 0.
         """
         with telemetry.operation("coordinate.retire", **self._traced(checkpoint_id)) as op:
-            keys = _scope_keys(episode_ids)
+            keys = scope_keys(episode_ids)
             op.set(episodes=len(keys))
             if not keys:
                 return 0

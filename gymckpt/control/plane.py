@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import time
 from collections import deque
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt import telemetry
+from gymckpt.control._tasks import close_store, settled, spawn, succeeded
 from gymckpt.control.allowed_roots import normalize_location, open_allowed_store
 from gymckpt.control.models import (
     CommitReply,
@@ -25,28 +25,25 @@ from gymckpt.control.models import (
     PrepareReply,
     PrepareReport,
     RenewReply,
-    RestoreReply,
     ResumeReply,
     RetireReply,
     StatusReply,
 )
-from gymckpt.control.restore_source import RESTORE_CHECKS, expected_manifest
+from gymckpt.control.plane_restore import OpenRestore, RestoreRoutes
+from gymckpt.control.restore_source import RESTORE_CHECKS
 from gymckpt.errors import (
     CheckpointConflict,
     CheckpointDirNotAllowed,
-    ControlError,
     DeadlineExceeded,
     ExportFailed,
     GymckptError,
-    InvalidCheckpointState,
     InvalidPhase,
-    InvalidRolloutId,
     RestartInScope,
     RetireIncomplete,
     StaleCheckpoint,
     UnsupportedStorage,
 )
-from gymckpt.identity import AttemptsUpTo, capture_key, first_keys, split_capture_key
+from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.store import WriteStop
 from gymckpt.store.codec import EncodedRecord
 from gymckpt.store.layout import check_name
@@ -59,12 +56,10 @@ if TYPE_CHECKING:
         CommitRequest,
         ControlRequest,
         ForgetRequest,
-        RestoreRequest,
         RetireRequest,
     )
     from gymckpt.control.participant import Participant
     from gymckpt.store import CheckpointStore
-    from gymckpt.store.manifest import Manifest
 
 __all__ = ["LEASE_RETRY_SECONDS", "MAX_BLOCKERS", "REMEMBERED_CHECKPOINTS", "ControlPlane", "readiness_report"]
 
@@ -93,15 +88,7 @@ class _Checkpoint:
     parked: bool = False
 
 
-@dataclass
-class _Restore:
-    checkpoint_id: str
-    #: directory, sorted scope, and the manifest digest and checkpoint id the request expects
-    args: tuple[str, tuple[str, ...], str | None, str | None]
-    task: asyncio.Task[RestoreReply]
-
-
-class ControlPlane:
+class ControlPlane(RestoreRoutes):
     """Drives one :class:`Participant` through checkpoints on behalf of a controller.
 
     Parameters
@@ -140,7 +127,7 @@ class ControlPlane:
         self._resumed: deque[str] = deque(maxlen=REMEMBERED_CHECKPOINTS)
         self._export_failed: set[str] = set()
         self._fresh = True
-        self._restore: _Restore | None = None
+        self._restore: OpenRestore | None = None
         self._restored_keys: set[str] = set()
         self._reopen_pending = False
         self._retire_tasks: dict[frozenset[str], asyncio.Task[None]] = {}
@@ -275,7 +262,7 @@ class ControlPlane:
             self.phase = Phase.PREPARING
             self._extend_lease(request.deadline_ts)
             self.participant.note_deadline(request.deadline_ts)
-            checkpoint.closing = _spawn(self._close_admission(checkpoint), "gymckpt-close")
+            checkpoint.closing = spawn(self._close_admission(checkpoint), "gymckpt-close")
         else:
             checkpoint = self._open
             self._extend_lease(request.deadline_ts)
@@ -350,12 +337,12 @@ class ControlPlane:
         reply = checkpoint.committed
         if reply is None:
             task = checkpoint.commit_task
-            if task is None or (task.done() and not _succeeded(task)):
+            if task is None or (task.done() and not succeeded(task)):
                 if task is None:
                     self._check_commit_start(checkpoint, request)
                 store = self._store_for(request.checkpoint_dir)
                 checkpoint.commit_args = args
-                task = _spawn(
+                task = spawn(
                     self._run_commit(checkpoint, store, None if scope is None else list(scope)), "gymckpt-commit"
                 )
                 checkpoint.commit_task = task
@@ -400,13 +387,13 @@ class ControlPlane:
         try:
             return await self._commit_into(checkpoint, store, scope)
         finally:
-            await _close_store(store)
+            await close_store(store)
 
     async def _commit_into(
         self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str] | None
     ) -> CommitReply:
         if checkpoint.export_task is None:
-            checkpoint.export_task = _spawn(self._export(scope), "gymckpt-export")
+            checkpoint.export_task = spawn(self._export(scope), "gymckpt-export")
         try:
             records = await checkpoint.export_task
         except asyncio.CancelledError:
@@ -502,27 +489,13 @@ class ControlPlane:
         task = checkpoint.commit_task
         if task is not None and not task.done():
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await self._within(deadline_ts, _settled(task), "the commit's cleanup")
+                await self._within(deadline_ts, settled(task), "the commit's cleanup")
             if not task.done():
                 raise DeadlineExceeded("the commit's cleanup of restored state is still running; resume again")
         await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
         self._remember_resumed(checkpoint.checkpoint_id)
         self._export_failed.discard(checkpoint.checkpoint_id)
         self._open = None
-        self.phase = Phase.IDLE
-        self.lease_expires_at = None
-
-    async def _finish_restore(self, checkpoint_id: str, deadline_ts: float) -> None:
-        """Resume a restore: wait for its install, then reopen admission."""
-        restore = self._restore
-        assert restore is not None
-        if restore.checkpoint_id != checkpoint_id:
-            raise CheckpointConflict(f"restore of {restore.checkpoint_id!r} is open, not {checkpoint_id!r}")
-        if not restore.task.done():
-            await self._within(deadline_ts, _settled(restore.task), "the restore's install")
-        await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
-        self._reopen_pending = False
-        self._remember_resumed(checkpoint_id)
         self.phase = Phase.IDLE
         self.lease_expires_at = None
 
@@ -537,11 +510,11 @@ class ControlPlane:
         for key in keys:
             self.marks.mark(key)
         if self._restore is not None and not self._restore.task.done():
-            await self._within(request.deadline_ts, _settled(self._restore.task), "the restore's install")
+            await self._within(request.deadline_ts, settled(self._restore.task), "the restore's install")
         group = frozenset(keys)
         task = self._retire_tasks.get(group)
         if task is None or task.done():
-            task = _spawn(self.participant.retire(keys), "gymckpt-retire")
+            task = spawn(self.participant.retire(keys), "gymckpt-retire")
             self._retire_tasks[group] = task
             task.add_done_callback(lambda done, group=group: self._retire_tasks.pop(group, None))
         await self._within(request.deadline_ts, asyncio.shield(task), "the retire")
@@ -567,119 +540,6 @@ class ControlPlane:
         forgotten = self.marks.forget(request.rollout_ids)
         await self._within(request.deadline_ts, self.participant.forget(sorted(set(request.rollout_ids))), "the forget")
         return ForgetReply(forgotten_count=forgotten, forgotten=sorted(set(request.rollout_ids)))
-
-    async def restore(self, request: RestoreRequest) -> RestoreReply:
-        """Read, verify and install the scoped records under their next attempt."""
-        self._loop = asyncio.get_running_loop()
-        self._check_not_stale(request.checkpoint_id)
-        args = (
-            request.checkpoint_dir,
-            tuple(sorted(set(request.episode_ids))),
-            request.manifest_sha256,
-            request.source_checkpoint_id,
-        )
-        previous = self._restore
-        if previous is not None and previous.checkpoint_id == request.checkpoint_id and not previous.task.done():
-            if previous.args != args:
-                raise CheckpointConflict("this restore is running with another directory, scope or expected manifest")
-            return await self._within(request.deadline_ts, asyncio.shield(previous.task), "the restore")
-        if previous is not None and previous.task.done() and _succeeded(previous.task):
-            if previous.checkpoint_id == request.checkpoint_id and previous.args == args:
-                return previous.task.result()
-            raise CheckpointConflict(
-                f"checkpoint {previous.checkpoint_id!r} was already restored here with its own directory and scope"
-            )
-        if previous is not None and not previous.task.done():
-            await self._within(request.deadline_ts, _settled(previous.task), "the previous restore's install")
-        if not self._fresh or self._open is not None or self.phase is not Phase.IDLE:
-            raise InvalidPhase("restore runs only in a fresh process, before any checkpoint")
-        live = self.participant.live_work()
-        if inspect.isawaitable(live):  # a coordinator of several workers asks them
-            live = await self._within(request.deadline_ts, live, "asking for live work")
-        if live:
-            raise ControlError(
-                f"restore runs only in a fresh process: {self.participant.kind}/{self.participant.instance} "
-                f"already serves {first_keys(live)}"
-            )
-        rollouts: dict[str, str] = {}
-        for key in args[1]:
-            rollout, attempt = split_capture_key(key)
-            if rollout in rollouts:
-                raise InvalidRolloutId(
-                    f"the restore scope names rollout {rollout!r} twice ({rollouts[rollout]!r}, {key!r})"
-                )
-            rollouts[rollout] = key
-            self.marks.check(capture_key(rollout, attempt + 1))  # its replacement must be allowed to run
-        store = self._store_for(request.checkpoint_dir)
-        for key in args[1]:
-            self.marks.mark(key)  # the captured attempt is replaced by the next one: refuse it from now on
-        self.phase = Phase.RESTORED
-        self._extend_lease(request.deadline_ts)
-        expected = (request.manifest_sha256, request.source_checkpoint_id)
-        task = _spawn(self._run_restore(request.checkpoint_id, store, list(args[1]), expected), "gymckpt-restore")
-        self._restore = _Restore(request.checkpoint_id, args, task)
-        return await self._within(request.deadline_ts, asyncio.shield(task), "the restore")
-
-    async def _fail_restore(self) -> None:
-        try:
-            await self.participant.open_admission()
-            self._reopen_pending = False
-        except Exception:
-            logger.exception("reopening admission after a failed restore failed; the next resume retries it")
-            self._reopen_pending = True
-        self.phase = Phase.IDLE
-        self.lease_expires_at = None
-
-    async def _run_restore(
-        self, checkpoint_id: str, store: CheckpointStore, scope: list[str], expected: tuple[str | None, str | None]
-    ) -> RestoreReply:
-        """Close admission, read and verify in one pass off the loop, install; on failure reopen.
-
-        ``expected``: the manifest digest and checkpoint id the request names (None: read from
-        the index where one exists, :mod:`gymckpt.control.restore_source`).
-        """
-        participant = self.participant
-        next_keys = {key: capture_key(*_next(key)) for key in scope}
-        installed_scope = sorted(next_keys.values())
-        try:
-            try:
-                await participant.close_admission(checkpoint_id)
-                with telemetry.step("read") as step:
-                    manifest, records = await asyncio.to_thread(
-                        _read_scope, store, participant.kind, participant.instance, set(scope), next_keys, expected
-                    )
-                    step.set(records=len(records), bytes=manifest.records_bytes)
-            finally:
-                await _close_store(store)
-            with telemetry.step("install", records=len(records)):
-                await self._install(records, installed_scope, manifest)
-            telemetry.volume("restore", kind=participant.kind, records=len(records), size_bytes=manifest.records_bytes)
-        except BaseException:
-            await self._fail_restore()
-            raise
-        self._restored_keys = set(installed_scope)
-        return RestoreReply(
-            phase=Phase.RESTORED,
-            source_checkpoint_id=manifest.checkpoint_id,
-            restored=sorted(str(record["episode_id"]) for record in records),
-        )
-
-    async def _install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
-        """``participant.install``; a failure that is no gymckpt error is ``invalid_checkpoint_state`` (422).
-
-        Participants name the episode whose record they could not install; this names the
-        scope's first episodes when the failure came from elsewhere.
-        """
-        participant = self.participant
-        try:
-            await participant.install(records, scope, manifest)
-        except GymckptError:
-            raise
-        except Exception as exc:
-            raise InvalidCheckpointState(
-                f"the restored records of {first_keys(scope)} could not be installed: {type(exc).__name__}: {exc}",
-                participant=f"{participant.kind}/{participant.instance}",
-            ) from exc
 
     # --- lease
 
@@ -766,64 +626,6 @@ def readiness_report(participant: Participant) -> PrepareReport:
     )
 
 
-async def _close_store(store: CheckpointStore) -> None:
-    """Close a commit's or restore's store off the loop (an S3 client's close blocks); never raises."""
-    try:
-        await asyncio.to_thread(store.close)
-    except Exception:
-        logger.warning("closing the checkpoint store %s failed", store.url, exc_info=True)
-
-
-async def _settled(task: asyncio.Task[Any]) -> None:
-    """Wait for ``task`` to end without cancelling it and without raising its outcome.
-
-    Cancelling the waiter (a deadline) still cancels the wait: ``asyncio.wait`` neither
-    swallows that nor passes it on to ``task``.
-    """
-    await asyncio.wait({task})
-
-
-def _spawn(coroutine: Any, name: str) -> asyncio.Task[Any]:
-    """A task whose failure is always retrieved: its callers may have given up waiting."""
-    task = asyncio.create_task(coroutine, name=name)
-    task.add_done_callback(lambda done: done.cancelled() or done.exception())
-    return task
-
-
-def _succeeded(task: asyncio.Task[Any]) -> bool:
-    return not task.cancelled() and task.exception() is None
-
-
 def _episode_of(record: dict[str, Any] | EncodedRecord) -> str:
     """The capture key of an exported record: a dict, or a line encoded elsewhere (a worker's)."""
     return record.episode_id if type(record) is EncodedRecord else str(record["episode_id"])
-
-
-def _next(key: str) -> tuple[str, int]:
-    rollout, attempt = split_capture_key(key)
-    return rollout, attempt + 1
-
-
-def _read_scope(
-    store: CheckpointStore,
-    kind: str,
-    instance: str,
-    scope: set[str],
-    next_keys: dict[str, str],
-    expected: tuple[str | None, str | None],
-) -> tuple[Manifest, list[dict[str, Any]]]:
-    """The manifest and the scope's records (verified in one pass), keyed by their next attempt.
-
-    The manifest must be the published one (:func:`~gymckpt.control.restore_source.expected_manifest`)
-    before any record is read.
-    """
-    manifest_sha256, checkpoint_id = expected
-    wanted = expected_manifest(store, kind, instance, manifest_sha256=manifest_sha256, checkpoint_id=checkpoint_id)
-    manifest = store.read_manifest("", kind=kind, instance=instance)
-    if wanted is not None:
-        wanted.check(manifest)
-    records = []
-    for record in store.read_records(manifest, scope=scope):
-        record["episode_id"] = next_keys[record["episode_id"]]
-        records.append(record)
-    return manifest, records
