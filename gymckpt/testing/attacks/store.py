@@ -12,12 +12,44 @@ the row is about can catch it. A few rows are benign: values that must round-tri
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from gymckpt import errors
+from gymckpt.testing.attacks.files import (
+    DOCUMENT_BUDGET,
+    INDEX_LIMIT,
+    MANIFEST_LIMIT,
+    E,
+    W,
+    gym_symlink,
+    index_fifo,
+    index_over_limit,
+    index_symlink_to_copy,
+    index_too_complex,
+    kind_dir_symlink,
+    line_over_max_record_bytes,
+    manifest_claims_huge_records,
+    manifest_fifo,
+    manifest_grows_after_measured,
+    manifest_over_limit,
+    manifest_symlink_to_copy,
+    manifest_symlink_to_dev_zero,
+    manifest_too_complex,
+    orphan_records_symlink,
+    participant_dir_symlink,
+    records_dangling_symlink,
+    records_endless_garbage,
+    records_grow_after_measured,
+    records_special,
+    records_symlink_to_copy,
+    records_symlink_to_dev_zero,
+    records_zero_filled,
+    records_zero_filled_consistent,
+    stray_fifo_in_gym,
+    stray_symlink,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -26,15 +58,6 @@ if TYPE_CHECKING:
 
 
 __all__ = ["ATTACKS", "DOCUMENT_BUDGET", "INDEX_LIMIT", "MANIFEST_LIMIT", "Attack"]
-
-#: the limits the attack test patches in (small, so an oversized file is cheap to build)
-MANIFEST_LIMIT = 32 << 10
-INDEX_LIMIT = 16 << 10
-#: the parse budget a row may ask for (a good checkpoint's documents cost a few KB)
-DOCUMENT_BUDGET = 256 << 10
-
-
-E, W = "error", "warning"
 
 
 @dataclass(frozen=True)
@@ -57,181 +80,6 @@ class Attack:
 def _promise(promise: str, rows: dict[str, Attack]) -> dict[str, Attack]:
     """Rows that check one promise, each stamped with it."""
     return {name: replace(row, promise=promise) for name, row in rows.items()}
-
-
-# --- special files where state belongs (POSIX only)
-
-
-def _records_symlink_to_copy(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.env.records_path, ctx.copy_outside(ctx.env.records_path))
-    return [("not_regular_file", E, ctx.env.records_path)]
-
-
-def _records_symlink_to_dev_zero(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.env.records_path, "/dev/zero")
-    return [("not_regular_file", E, ctx.env.records_path)]
-
-
-def _records_dangling_symlink(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.env.records_path, "nothing-here")
-    return [("not_regular_file", E, ctx.env.records_path)]
-
-
-def _records_special(make: str) -> Callable[[AttackContext], list[Expected]]:
-    def apply(ctx: AttackContext) -> list[Expected]:
-        getattr(ctx, f"replace_with_{make}")(ctx.env.records_path)
-        return [("not_regular_file", E, ctx.env.records_path)]
-
-    return apply
-
-
-def _manifest_symlink_to_copy(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.env.path, ctx.copy_outside(ctx.env.path))
-    return [("not_regular_file", E, ctx.env.path)]
-
-
-def _manifest_fifo(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_fifo(ctx.env.path)
-    return [("not_regular_file", E, ctx.env.path)]
-
-
-def _manifest_symlink_to_dev_zero(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.env.path, "/dev/zero")
-    return [("not_regular_file", E, ctx.env.path)]
-
-
-def _participant_dir_symlink(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.env.directory, ctx.copy_outside(ctx.env.directory))
-    return [("not_regular_file", E, ctx.env.directory)]
-
-
-def _kind_dir_symlink(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink("ck/gym/environment", ctx.copy_outside("ck/gym/environment"))
-    return [("not_regular_file", E, "ck/gym/environment")]
-
-
-def _gym_symlink(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink("ck/gym", ctx.copy_outside("ck/gym"))
-    return [("not_regular_file", E, "ck/gym")]
-
-
-def _index_symlink_to_copy(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_symlink(ctx.index, ctx.copy_outside(ctx.index))
-    return [("not_regular_file", E, ctx.index)]
-
-
-def _index_fifo(ctx: AttackContext) -> list[Expected]:
-    ctx.replace_with_fifo(ctx.index)
-    return [("not_regular_file", E, ctx.index)]
-
-
-def _stray_symlink(ctx: AttackContext) -> list[Expected]:
-    path = f"{ctx.env.directory}/notes.txt"
-    os.symlink(ctx.copy_outside(ctx.env.records_path), ctx.real(path))
-    return [("unexpected_file", W, path)]
-
-
-def _stray_fifo_in_gym(ctx: AttackContext) -> list[Expected]:
-    os.mkfifo(ctx.real("ck/gym/not a kind"))
-    return [("unexpected_file", W, "ck/gym/not a kind")]
-
-
-def _orphan_records_symlink(ctx: AttackContext) -> list[Expected]:
-    path = f"{ctx.env.directory}/records-{'c' * 64}.jsonl"
-    os.symlink(ctx.copy_outside(ctx.env.records_path), ctx.real(path))
-    return [("not_regular_file", E, path)]
-
-
-# --- bounded reads
-
-
-def _records_grow_after_measured(ctx: AttackContext) -> list[Expected]:
-    path = ctx.env.records_path
-    ctx.write(path, ctx.read(path) + b"x" * (1 << 20))
-    ctx.size_override[path] = ctx.env.records_bytes
-    ctx.read_bounds[path] = ctx.env.records_bytes + 1
-    return [("records_size_mismatch", E, path)]
-
-
-def _records_endless_garbage(ctx: AttackContext) -> list[Expected]:
-    path = ctx.env.records_path
-    ctx.write(path, ctx.read(path) + b"y" * (4 << 20))
-    ctx.read_bounds[path] = ctx.env.records_bytes + 1
-    return [("records_size_mismatch", E, path)]
-
-
-def _manifest_claims_huge_records(ctx: AttackContext) -> list[Expected]:
-    ctx.edit_manifest(lambda doc: doc.update(records_bytes=10**15))
-    ctx.read_bounds[ctx.env.records_path] = 0
-    return [("records_size_mismatch", E, ctx.env.records_path)]
-
-
-def _manifest_over_limit(ctx: AttackContext) -> list[Expected]:
-    raw = ctx.read(ctx.env.path)
-    ctx.write(ctx.env.path, raw.rstrip(b"\n") + b" " * (MANIFEST_LIMIT + 100) + b"\n")
-    ctx.resync_index()
-    ctx.read_bounds[ctx.env.path] = 0  # refused from its size, unread
-    return [("file_too_large", E, ctx.env.path)]
-
-
-def _manifest_grows_after_measured(ctx: AttackContext) -> list[Expected]:
-    raw = ctx.read(ctx.env.path)
-    ctx.write(ctx.env.path, raw.rstrip(b"\n") + b" " * (4 * MANIFEST_LIMIT) + b"\n")
-    ctx.resync_index()
-    ctx.size_override[ctx.env.path] = len(raw)  # measured before it grew
-    ctx.read_bounds[ctx.env.path] = MANIFEST_LIMIT + 1
-    return [("file_too_large", E, ctx.env.path)]
-
-
-def _index_over_limit(ctx: AttackContext) -> list[Expected]:
-    raw = ctx.read(ctx.index)
-    ctx.write(ctx.index, raw.rstrip(b"\n") + b" " * (INDEX_LIMIT + 100) + b"\n")
-    ctx.read_bounds[ctx.index] = 0  # refused from its size, unread
-    return [("file_too_large", E, ctx.index)]
-
-
-# --- memory follows what the manifest allows: lines bounded, documents decoded under a budget
-
-
-def _records_zero_filled(ctx: AttackContext) -> list[Expected]:
-    """What a filesystem crash can leave: the size kept, the blocks zeros (one line, no newline)."""
-    ctx.write(ctx.env.records_path, bytes(ctx.env.records_bytes))
-    return [("records_digest_mismatch", E, ctx.env.records_path)]
-
-
-def _records_zero_filled_consistent(ctx: AttackContext) -> list[Expected]:
-    """A writer that hashed its zeros but claims the longest line of the records it meant."""
-    path = ctx.rewrite_records(bytes(256 << 10))
-    ctx.edit_manifest(lambda doc: doc.update(max_record_bytes=ctx.env.max_record_bytes))
-    return [("record_too_long", E, path)]
-
-
-def _line_over_max_record_bytes(ctx: AttackContext) -> list[Expected]:
-    lines = ctx.lines()
-    lines[3] = lines[3][:-1] + b',"pad":"' + b"p" * 5000 + b'"}'
-    path = ctx.rewrite_records(b"\n".join(lines) + b"\n")
-    ctx.edit_manifest(lambda doc: doc.update(max_record_bytes=ctx.env.max_record_bytes))
-    return [("record_too_long", E, path)]
-
-
-def _extra_of_empty_lists(limit: int) -> bytes:
-    """``[],`` repeated to just under ``limit`` bytes: cheap to store, dear to decode."""
-    return b"[" + b"[]," * (limit // 3 - 100) + b"[]]"
-
-
-def _manifest_too_complex(ctx: AttackContext) -> list[Expected]:
-    ctx.document_budget = DOCUMENT_BUDGET
-    raw = ctx.read(ctx.env.path)
-    ctx.write(ctx.env.path, raw.rstrip(b"}\n") + b', "x": ' + _extra_of_empty_lists(MANIFEST_LIMIT - len(raw)) + b"}\n")
-    ctx.resync_index()
-    return [("document_too_complex", E, ctx.env.path)]
-
-
-def _index_too_complex(ctx: AttackContext) -> list[Expected]:
-    ctx.document_budget = DOCUMENT_BUDGET
-    raw = ctx.read(ctx.index)
-    ctx.write(ctx.index, raw.rstrip(b"}\n") + b', "x": ' + _extra_of_empty_lists(INDEX_LIMIT - len(raw)) + b"}\n")
-    return [("document_too_complex", E, ctx.index)]
 
 
 # --- a record is what its line says (consistent buggy writers)
@@ -512,46 +360,46 @@ ATTACKS: dict[str, Attack] = {
     **_promise(
         "state is a regular file in a real directory: anything else is refused, never followed (POSIX only)",
         {
-            "records_symlink_to_an_outside_copy": Attack(_records_symlink_to_copy, errors.NotRegularFile, special=True),
-            "records_symlink_to_dev_zero": Attack(_records_symlink_to_dev_zero, errors.NotRegularFile, special=True),
-            "records_dangling_symlink": Attack(_records_dangling_symlink, errors.NotRegularFile, special=True),
-            "records_fifo": Attack(_records_special("fifo"), errors.NotRegularFile, special=True),
-            "records_socket": Attack(_records_special("socket"), errors.NotRegularFile, special=True),
-            "records_device": Attack(_records_special("device"), errors.NotRegularFile, special=True),
+            "records_symlink_to_an_outside_copy": Attack(records_symlink_to_copy, errors.NotRegularFile, special=True),
+            "records_symlink_to_dev_zero": Attack(records_symlink_to_dev_zero, errors.NotRegularFile, special=True),
+            "records_dangling_symlink": Attack(records_dangling_symlink, errors.NotRegularFile, special=True),
+            "records_fifo": Attack(records_special("fifo"), errors.NotRegularFile, special=True),
+            "records_socket": Attack(records_special("socket"), errors.NotRegularFile, special=True),
+            "records_device": Attack(records_special("device"), errors.NotRegularFile, special=True),
             "manifest_symlink_to_an_outside_copy": Attack(
-                _manifest_symlink_to_copy, errors.NotRegularFile, special=True
+                manifest_symlink_to_copy, errors.NotRegularFile, special=True
             ),
-            "manifest_symlink_to_dev_zero": Attack(_manifest_symlink_to_dev_zero, errors.NotRegularFile, special=True),
-            "manifest_fifo": Attack(_manifest_fifo, errors.NotRegularFile, special=True),
-            "participant_dir_symlink": Attack(_participant_dir_symlink, errors.NotRegularFile, special=True),
-            "kind_dir_symlink": Attack(_kind_dir_symlink, errors.NotRegularFile, special=True),
-            "gym_dir_symlink": Attack(_gym_symlink, errors.NotRegularFile, special=True),
+            "manifest_symlink_to_dev_zero": Attack(manifest_symlink_to_dev_zero, errors.NotRegularFile, special=True),
+            "manifest_fifo": Attack(manifest_fifo, errors.NotRegularFile, special=True),
+            "participant_dir_symlink": Attack(participant_dir_symlink, errors.NotRegularFile, special=True),
+            "kind_dir_symlink": Attack(kind_dir_symlink, errors.NotRegularFile, special=True),
+            "gym_dir_symlink": Attack(gym_symlink, errors.NotRegularFile, special=True),
             "index_symlink_to_an_outside_copy": Attack(
-                _index_symlink_to_copy, errors.NotRegularFile, read=None, read_index=True, special=True
+                index_symlink_to_copy, errors.NotRegularFile, read=None, read_index=True, special=True
             ),
-            "index_fifo": Attack(_index_fifo, errors.NotRegularFile, read=None, read_index=True, special=True),
-            "orphan_records_symlink": Attack(_orphan_records_symlink, None, special=True),
-            "stray_symlink_in_participant_dir": Attack(_stray_symlink, None, special=True),
-            "stray_fifo_in_gym": Attack(_stray_fifo_in_gym, None, special=True),
+            "index_fifo": Attack(index_fifo, errors.NotRegularFile, read=None, read_index=True, special=True),
+            "orphan_records_symlink": Attack(orphan_records_symlink, None, special=True),
+            "stray_symlink_in_participant_dir": Attack(stray_symlink, None, special=True),
+            "stray_fifo_in_gym": Attack(stray_fifo_in_gym, None, special=True),
         },
     ),
     **_promise(
         "every read bounded by what the manifest claims",
         {
-            "records_grow_after_measured": Attack(_records_grow_after_measured, errors.RecordsSizeMismatch),
-            "records_endless_garbage": Attack(_records_endless_garbage, errors.RecordsSizeMismatch),
-            "manifest_claims_huge_records": Attack(_manifest_claims_huge_records, errors.RecordsSizeMismatch),
-            "manifest_over_limit": Attack(_manifest_over_limit, errors.FileTooLarge),
-            "manifest_grows_after_measured": Attack(_manifest_grows_after_measured, errors.FileTooLarge),
-            "index_over_limit": Attack(_index_over_limit, errors.FileTooLarge, read=None, read_index=True),
+            "records_grow_after_measured": Attack(records_grow_after_measured, errors.RecordsSizeMismatch),
+            "records_endless_garbage": Attack(records_endless_garbage, errors.RecordsSizeMismatch),
+            "manifest_claims_huge_records": Attack(manifest_claims_huge_records, errors.RecordsSizeMismatch),
+            "manifest_over_limit": Attack(manifest_over_limit, errors.FileTooLarge),
+            "manifest_grows_after_measured": Attack(manifest_grows_after_measured, errors.FileTooLarge),
+            "index_over_limit": Attack(index_over_limit, errors.FileTooLarge, read=None, read_index=True),
         },
     ),
     **_promise(
         "memory follows what the manifest allows: no line held past max_record_bytes, documents under a parse budget",
         {
-            "records_zero_filled_by_a_crash": Attack(_records_zero_filled, errors.RecordsDigestMismatch),
-            "records_zero_filled_consistent_writer": Attack(_records_zero_filled_consistent, errors.RecordTooLong),
-            "line_longer_than_max_record_bytes": Attack(_line_over_max_record_bytes, errors.RecordTooLong),
+            "records_zero_filled_by_a_crash": Attack(records_zero_filled, errors.RecordsDigestMismatch),
+            "records_zero_filled_consistent_writer": Attack(records_zero_filled_consistent, errors.RecordTooLong),
+            "line_longer_than_max_record_bytes": Attack(line_over_max_record_bytes, errors.RecordTooLong),
             "max_record_bytes_beyond_the_file": Attack(
                 _manifest_field(
                     lambda doc: doc.update(max_record_bytes=doc["records_bytes"] + 1), "manifest_field_invalid"
@@ -562,9 +410,9 @@ ATTACKS: dict[str, Attack] = {
                 _manifest_field(lambda doc: doc.update(max_record_bytes="64"), "manifest_field_invalid"),
                 errors.ManifestFieldInvalid,
             ),
-            "manifest_too_complex_to_decode": Attack(_manifest_too_complex, errors.DocumentTooComplex),
+            "manifest_too_complex_to_decode": Attack(manifest_too_complex, errors.DocumentTooComplex),
             "index_too_complex_to_decode": Attack(
-                _index_too_complex, errors.DocumentTooComplex, read=None, read_index=True
+                index_too_complex, errors.DocumentTooComplex, read=None, read_index=True
             ),
         },
     ),
