@@ -57,6 +57,7 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── CollectionExists (FileExistsError)       409 collection_exists: results or checkpoints of an earlier collection
     ├── SettingsError (ValueError)               a settings file or dict refused at startup (file: key.path: why; never on the wire)
     ├── AppNotLoadable (ValueError)              an --app module:attr that names no app (never on the wire)
+    ├── PreemptionGuardInactive (RuntimeError)   a notice or checkpoint through a guard not entered (never on the wire)
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -97,6 +98,7 @@ __all__ = [
     "AgentError",
     "AgentRequestError",
     "AppNotLoadable",
+    "PreemptionGuardInactive",
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
     "CheckpointIdMismatch",
@@ -706,6 +708,11 @@ class AppNotLoadable(GymckptError, ValueError):
     attribute is neither a FastAPI (Starlette) app nor a factory that takes no arguments and
     returns one. Refused at startup, never on the wire.
     """
+
+
+class PreemptionGuardInactive(GymckptError, RuntimeError):
+    """A notice or checkpoint through a :class:`~gymckpt.control.preemption.PreemptionGuard` outside
+    its ``async with`` (not entered yet, or left); never on the wire."""
 
 
 #: wire code → the one class that defines it (its subclasses inherit the code and are not listed)

@@ -26,6 +26,8 @@ writes the object.
 from __future__ import annotations
 
 import re
+import secrets
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,7 @@ __all__ = [
     "episode_key",
     "episode_object",
     "first_keys",
+    "new_checkpoint_id",
     "rollout_path",
     "split_capture_key",
     "split_rollout_path",
@@ -364,3 +367,8 @@ def split_rollout_path(path: str) -> tuple[EpisodeId | None, str]:
 
 def _is_prefixed(path: str) -> bool:
     return path.startswith(ROLLOUT_PREFIX) or path == ROLLOUT_PREFIX[:-1]
+
+
+def new_checkpoint_id() -> str:
+    """A fresh checkpoint id: ``ckpt-20261201T183012-1a2b3c4d`` (UTC time, 8 random hex digits)."""
+    return f"ckpt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"

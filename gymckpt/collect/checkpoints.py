@@ -16,12 +16,11 @@ hidden directory or an unpublished one, which resume never picks and the next pr
 from __future__ import annotations
 
 import re
-import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from gymckpt.errors import InvalidCheckpointState
+from gymckpt.identity import new_checkpoint_id
 from gymckpt.store import open_store
 from gymckpt.store.layout import index_path
 from gymckpt.store.pruning import delete_checkpoint, remove_pruning_leftovers
@@ -30,11 +29,6 @@ __all__ = ["CheckpointRoot", "PublishedCheckpoint", "new_checkpoint_id"]
 
 LATEST_NAME = "LATEST"
 _ID = re.compile(r"ckpt-\d{8}T\d{6}-[0-9a-f]{8}")
-
-
-def new_checkpoint_id() -> str:
-    """``ckpt-20261201T183012-1a2b3c4d`` (UTC)."""
-    return f"ckpt-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
 
 
 @dataclass(frozen=True)
