@@ -43,8 +43,9 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks.bench_workers $(BENCH_WORKERS_ARGS)
 	$(BIN)/python -m benchmarks.bench_telemetry $(BENCH_TELEMETRY_ARGS)
 
-# the reference stack at 16,000 rollouts (BENCH_SCALE_ARGS="--rollouts 2000 --workers 1" for a short run):
-# checkpoint, SIGKILL, restore, continue, once with one and once with two workers per server
+# three scenarios, each checkpointed, SIGKILLed, restored and compared: (a) the reference stack at 16,000 rollouts,
+# one and two workers per server; (b) 1,000 sandbox sessions of 350 KB; (c) (a) checkpointing to S3 (moto).
+# Short runs: BENCH_SCALE_ARGS="--scenario b --sessions 200", or "--scenario a --rollouts 2000 --workers 1"
 bench-scale: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks.bench_scale $(BENCH_SCALE_ARGS)
 

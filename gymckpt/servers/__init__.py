@@ -11,6 +11,8 @@ The kinds (``gymckpt serve KIND``; :data:`gymckpt.stack.KINDS` maps each to its 
   state is required for the right reward;
 - ``weather`` (:mod:`~gymckpt.servers.weather`): a resources server with stateless tools and a
   verification that may run again;
+- ``sandbox`` (:mod:`~gymckpt.servers.sandbox`): a resources server whose sessions are big (a file
+  tree and a command history, 350 KB by default), exported and restored without copies;
 - ``environment`` (:mod:`~gymckpt.servers.environment`): a single-turn environment server, seed,
   invoke the agent, close it, verify, return.
 

@@ -34,6 +34,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "agent": ("gymckpt.servers.agent", "AgentConfig", "build_agent_app"),
     "counter": ("gymckpt.servers.counter", "CounterConfig", "build_counter_app"),
     "weather": ("gymckpt.servers.weather", "WeatherConfig", "build_weather_app"),
+    "sandbox": ("gymckpt.servers.sandbox", "SandboxConfig", "build_sandbox_app"),
     "environment": ("gymckpt.servers.environment", "EnvironmentConfig", "build_environment_app"),
 }
 #: kinds that are not Gym servers: they get no checkpoint block
@@ -44,6 +45,7 @@ PARTICIPANT_KINDS: dict[str, str] = {
     "agent": "agent",
     "counter": "resources",
     "weather": "resources",
+    "sandbox": "resources",
     "environment": "environment",
 }
 #: what ``app_from_env`` reads: the server kind and its config file

@@ -18,6 +18,7 @@ FIELDS: dict[str, dict[str, Any]] = {
     "agent": {"model_url": "http://127.0.0.1:9", "session_hooks": True},
     "counter": {},
     "weather": {},
+    "sandbox": {},
     "environment": {"agent_url": "http://127.0.0.1:9", "resources_url": "http://127.0.0.1:9"},
 }
 #: work routes of each kind that refuse a request without a rollout while checkpointing is on
@@ -26,6 +27,7 @@ WORK = {
     "agent": ("/v1/responses", {"input": "hi"}),
     "counter": ("/increment", {"n": 1}),
     "weather": ("/get_weather", {"city": "Oslo"}),
+    "sandbox": ("/run_command", {"command": "ls"}),
 }
 
 

@@ -1,0 +1,92 @@
+"""Short versions of bench_scale's scenarios, run through the benchmark's own code (no timing assertions).
+
+- (c): the demo's scenario at a few hundred rollouts checkpointing to S3 (moto's server on
+  127.0.0.1): every rollout restored or started over, each result equal to the uninterrupted
+  run's, the checkpoint verified on S3, and each Gym server's memory read around the commit
+  and the restore.
+- The command line: ``--scenario b`` with a few small sessions, its exit status and ``--json``;
+  the scenarios chosen and the options passed through to the stack and the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+import pytest
+from rich.console import Console
+
+from benchmarks.bench_scale import build_parser
+from benchmarks.bench_scale import main as bench_scale
+from benchmarks.scale_demo import DemoKnobs, run_demo_scenario
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gymckpt.testing.moto import MotoEndpoint
+
+GYM = {"environment", "model", "agent", "resources"}
+
+
+def test_a_few_hundred_rollouts_checkpointed_to_s3_come_back_equal(tmp_path: Path, moto_endpoint: MotoEndpoint) -> None:
+    bucket = "scale-scenario-c"
+    moto_endpoint.create_bucket(bucket)
+    knobs = DemoKnobs(rollouts=200, timeout=300.0, profile=False, sample_seconds=0.2)
+    with open(os.devnull, "w") as sink:
+        run = run_demo_scenario(
+            "c",
+            knobs,
+            1,
+            tmp_path,
+            Console(file=sink),
+            store_url=f"s3://{bucket}/checkpoints",
+            storage_options=moto_endpoint.storage_options(),
+        )
+    assert run.ok, run.error  # the demo compared every result and verified the checkpoint on S3
+    assert run.store == "s3"
+    assert (run.lost, run.differing) == (0, 0)
+    assert run.exported > 0
+    assert run.continued == run.exported
+    assert run.finished_before + run.exported + run.restarted == run.rollouts
+    assert {name.partition("/")[0] for name in run.bytes_by_participant} == GYM
+    assert run.bytes_written == sum(run.bytes_by_participant.values()) > 0
+    for phase in ("commit", "restore"):
+        windows = run.memory[phase]
+        assert set(windows) == GYM, (phase, windows)
+        for name, memory in windows.items():
+            assert 0 < memory.rss_before <= memory.peak, (phase, name, memory)
+        assert sum(memory.records_bytes for memory in windows.values()) == run.bytes_written
+    assert set(run.participant_lines["commit"]) == GYM
+
+
+def test_the_command_line_runs_scenario_b_and_writes_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    arguments = ["--scenario", "b", "--sessions", "4", "--session-bytes", "20000"]
+    status = bench_scale([*arguments, "--dir", str(tmp_path / "runs"), "--json", str(out)])
+    assert status == 0
+    figures = json.loads(out.read_text())
+    assert (figures["a"], figures["c"], figures["c_commit_ratio"]) == ([], [], None)
+    sessions = figures["b"]
+    assert (sessions["ok"], sessions["lost"], sessions["differing"]) == (True, 0, 0)
+    assert (sessions["sessions"], sessions["records"]) == (4, 4)
+    assert sessions["bytes_written"] > 4 * 20_000
+    for phase in ("commit", "restore"):
+        (memory,) = sessions["memory"][phase].values()
+        assert memory["records_bytes"] == sessions["bytes_written"]
+        assert memory["peak"] >= memory["rss_before"] > 0
+        assert memory["bound"] > memory["rss_before"]
+    assert not list((tmp_path / "runs").iterdir())  # a run that passed leaves nothing behind
+
+
+def test_scenarios_and_pass_through_options_are_read_from_the_command_line() -> None:
+    given = ["--scenario", "c,a", "--stack-option", "prompt_tokens=300", "--demo-option", "checkpoint_turn=2"]
+    args = build_parser().parse_args([*given, "--stack-option", "label=long text", "--sessions", "20"])
+    assert args.scenario == ["a", "c"]
+    assert dict(args.stack_option) == {"prompt_tokens": 300, "label": "long text"}
+    assert dict(args.demo_option) == {"checkpoint_turn": 2}
+    assert (args.sessions, args.session_bytes) == (20, 350_000)
+    for wrong in (["--scenario", "d"], ["--scenario", ""], ["--stack-option", "novalue"]):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args(wrong)
+        assert exited.value.code == 2
