@@ -58,6 +58,10 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     ├── SettingsError (ValueError)               a settings file or dict refused at startup (file: key.path: why; never on the wire)
     ├── AppNotLoadable (ValueError)              an --app module:attr that names no app (never on the wire)
     ├── PreemptionGuardInactive (RuntimeError)   a notice or checkpoint through a guard not entered (never on the wire)
+    ├── RayStackError                            the Ray launcher: a placement that failed, a cluster gone (never on the wire)
+    │   ├── NodeLost                             a node holding servers died (the stack must be placed again)
+    │   ├── RayHeadLost                          Ray's head node is gone: fatal without an external GCS store
+    │   └── SharedStorageRequired (ValueError)   servers on several nodes, checkpoints where not every node sees them
     └── InvalidCheckpointState (ValueError)      damage: wire code invalid_checkpoint_state, 422
         ├── ParticipantNotFound (FileNotFoundError)
         ├── ManifestNotJSON
@@ -99,6 +103,10 @@ __all__ = [
     "AgentRequestError",
     "AppNotLoadable",
     "PreemptionGuardInactive",
+    "NodeLost",
+    "RayHeadLost",
+    "RayStackError",
+    "SharedStorageRequired",
     "CheckpointConflict",
     "CheckpointDirNotAllowed",
     "CheckpointIdMismatch",
@@ -713,6 +721,27 @@ class AppNotLoadable(GymckptError, ValueError):
 class PreemptionGuardInactive(GymckptError, RuntimeError):
     """A notice or checkpoint through a :class:`~gymckpt.control.preemption.PreemptionGuard` outside
     its ``async with`` (not entered yet, or left); never on the wire."""
+
+
+class RayStackError(GymckptError):
+    """The Ray launcher (:mod:`gymckpt.stack.ray`) could not place or keep a stack; never on the wire."""
+
+
+class NodeLost(RayStackError):
+    """A Ray node holding servers of the stack died: its servers are gone, place the stack again and restore."""
+
+    def __init__(self, detail: str = "", nodes: list[str] | None = None) -> None:
+        super().__init__(detail)
+        #: the ids of the nodes found dead
+        self.nodes = list(nodes or [])
+
+
+class RayHeadLost(RayStackError):
+    """Ray's head node (its GCS) is gone: without Ray's external GCS store the cluster cannot recover."""
+
+
+class SharedStorageRequired(RayStackError, ValueError):
+    """Servers on several nodes, and a checkpoint location not every node sees; refused at startup."""
 
 
 #: wire code → the one class that defines it (its subclasses inherit the code and are not listed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from typing import TYPE_CHECKING
 
 import click
 
@@ -23,6 +24,9 @@ from gymckpt.cli._output import plain
 from gymckpt.stack import KINDS, load_stack
 from gymckpt.stack.kinds import load_config
 from gymckpt.stack.serving import MAX_WORKERS, serve
+
+if TYPE_CHECKING:
+    import threading
 
 __all__ = ["check_environment", "serve_command", "stack_group"]
 
@@ -117,7 +121,7 @@ def _check_where(host: str, port: int, fd: int | None) -> None:
 def serve_command(
     kind: str | None, app_spec: str | None, config_file: str | None, host: str, port: int, fd: int | None, workers: int
 ) -> None:
-    """Run one reference server (inference, model, agent, counter, weather, environment), or --app your own.
+    """Run one reference server (inference, model, agent, counter, weather, sandbox, environment), or --app your own.
 
     The config file holds the server's own fields and a checkpoint: block; with
     checkpoint.enabled false (the default) no checkpoint route or behaviour is installed.
@@ -183,9 +187,16 @@ def stack_group() -> None:
     is_flag=True,
     help="Keep the servers' configs (with the control token) and logs after the stack stops (default: removed).",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    metavar="ADDRESS",
+    help="Place the servers on this Ray cluster (e.g. 10.0.0.5:6379, or auto) instead of this machine: one "
+    "host actor per server through a placement group (the stack file's ray: block; pip install -e '.[ray]').",
+)
 @keep_alive_option
 @log_level_option
-def stack_up(stack_file: str, keep_workdir: bool) -> None:
+def stack_up(stack_file: str, keep_workdir: bool, ray_address: str | None) -> None:
     """Start every server of STACK_FILE, each in its own process group, until interrupted.
 
     "{name}" in a config value is the URL of the stack's server of that name. Ctrl-C or
@@ -194,6 +205,11 @@ def stack_up(stack_file: str, keep_workdir: bool) -> None:
     the file, the entry and the key: a stack file that cannot be used (a reference to a server
     it does not have, a port outside 0-65535), or a bad GYMCKPT_* variable (the servers
     inherit the environment).
+
+    With --ray ADDRESS the servers run on that Ray cluster (see gymckpt.stack.ray): each line
+    names the node a server runs on; a node lost is reported and every server placed again
+    (restoring the last checkpoint is the controller's part); Ctrl-C stops every server and
+    removes the placement group and host actors, leaving the cluster as it was.
     """
     import signal as signals
     import threading
@@ -204,6 +220,9 @@ def stack_up(stack_file: str, keep_workdir: bool) -> None:
     stop_signals = (signals.SIGINT, signals.SIGTERM)
     previous = {number: signals.signal(number, lambda *_: stopping.set()) for number in stop_signals}
     try:
+        if ray_address is not None:
+            _stack_up_ray(stack_file, ray_address, stopping)
+            return
         try:
             stack = load_stack(stack_file, keep_workdir=keep_workdir)  # the whole file, before any socket opens
         except (ValueError, OSError) as exc:  # a SettingsError or invalid YAML names the file already
@@ -219,3 +238,21 @@ def stack_up(stack_file: str, keep_workdir: bool) -> None:
     finally:
         for number, handler in previous.items():
             signals.signal(number, handler)
+
+
+def _stack_up_ray(stack_file: str, address: str, stopping: threading.Event) -> None:
+    """``stack up --ray``: place the stack on the cluster, print where each server runs, until stopped."""
+    try:
+        from gymckpt.stack.ray import RayStack  # Ray is imported only here
+    except ImportError as exc:
+        fail(f"--ray needs Ray: pip install -e '.[ray]' in the gymckpt clone ({exc})")
+    try:
+        stack = RayStack(stack_file, address=address)  # the whole file, before anything is placed
+    except (ValueError, OSError) as exc:
+        message = str(exc)
+        fail(message if message.startswith(f"{stack_file}:") else f"{stack_file}: {message}")
+    with stack:
+        try:
+            stack.serve(stopping, plain)
+        except ValueError as exc:  # SharedStorageRequired: the line names the setting
+            fail(f"{stack_file}: {exc}")

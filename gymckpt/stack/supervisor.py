@@ -62,12 +62,23 @@ from gymckpt.stack.apps import check_app_spec
 from gymckpt.stack.kinds import KINDS, NOT_GYM, config_fields, load_config
 from gymckpt.transport import LISTEN_BACKLOG
 
-__all__ = ["APP_KIND", "ENTRY_KEYS", "STACK_KEYS", "WORKDIR_PREFIX", "ServerProcess", "Stack", "load_stack"]
+__all__ = [
+    "APP_KIND",
+    "ENTRY_KEYS",
+    "STACK_KEYS",
+    "WORKDIR_PREFIX",
+    "ServerProcess",
+    "Stack",
+    "StackEntry",
+    "checked_stack",
+    "load_stack",
+    "server_configs",
+]
 
 logger = logging.getLogger(__name__)
 
 #: the keys a stack file's top level holds (others are left alone unless they look like one of these)
-STACK_KEYS = frozenset({"host", "checkpoint", "workers", "servers"})
+STACK_KEYS = frozenset({"host", "checkpoint", "workers", "servers", "ray"})  # ray: gymckpt.stack.ray's block
 #: the keys of one ``servers:`` entry (the same rule)
 ENTRY_KEYS = frozenset({"name", "kind", "app", "port", "workers", "config"})
 #: the ``kind`` of an ``app:`` entry's :class:`ServerProcess` (its ``app`` names the app)
@@ -258,13 +269,8 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
     the servers' configs and logs; without it a temporary directory does, removed when the
     stack closes unless ``keep_workdir``.
     """
-    path = "" if isinstance(spec, dict) else str(spec)
-    data: Any = spec if isinstance(spec, dict) else read_yaml_file(spec)
-    entries = _checked_entries(data, path)
+    path, data, entries, checkpoint = checked_stack(spec)
     host = str(data.get("host", "127.0.0.1"))
-    checkpoint = data.get("checkpoint")
-    if checkpoint is not None:
-        _check_block(checkpoint, path)
     if workdir is not None:
         workdir.mkdir(parents=True, exist_ok=True)  # the servers' configs and logs go there
     stack = Stack(workdir=workdir, keep_workdir=keep_workdir)
@@ -275,28 +281,55 @@ def load_stack(spec: str | Path | dict[str, Any], *, workdir: Path | None = None
             sock.set_inheritable(True)
             log = stack.workdir / f"{name}.log"
             stack.servers[name] = ServerProcess(name, kind, {}, sock, log, workers=workers, app=app)
-        urls = stack.urls
-        for index, (name, kind, app, _, _, config) in enumerate(entries):
-            where = f"servers[{index}].config"
-            resolved = _resolve(config, urls, path, where)
-            if checkpoint is not None and kind not in NOT_GYM and "checkpoint" not in resolved:
-                resolved["checkpoint"] = checkpoint
-            if app is None and "instance" in config_fields(kind):
-                resolved.setdefault("instance", name)
-            try:
-                # what the server will read: refused here, before any starts (an app: its checkpoint: block)
-                if app is not None:
-                    load_settings(resolved)
-                else:
-                    load_config(kind, resolved)
-            except SettingsError as exc:
-                prefix = f"{where}."
-                raise SettingsError([(prefix + key, why) for key, why in exc.problems], path=path) from None
+        for name, resolved in server_configs(entries, checkpoint, stack.urls, path).items():
             stack.servers[name].config = resolved
     except BaseException:  # a refused entry, an interrupt: nothing of this stack stays open or on disk
         stack.close()
         raise
     return stack
+
+
+#: one checked ``servers:`` entry: ``(name, kind, app, port, workers, config)``
+StackEntry = tuple[str, str, str | None, int, int, dict[str, Any]]
+
+
+def checked_stack(spec: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any], list[StackEntry], Any]:
+    """``(path, data, entries, checkpoint block)`` of a stack file or dict, every key checked (see :func:`load_stack`)."""
+    path = "" if isinstance(spec, dict) else str(spec)
+    data: Any = spec if isinstance(spec, dict) else read_yaml_file(spec)
+    entries = _checked_entries(data, path)
+    checkpoint = data.get("checkpoint")
+    if checkpoint is not None:
+        _check_block(checkpoint, path)
+    return path, data, entries, checkpoint
+
+
+def server_configs(
+    entries: list[StackEntry], checkpoint: Any, urls: dict[str, str], path: str = ""
+) -> dict[str, dict[str, Any]]:
+    """Each server's config with ``"{name}"`` resolved to ``urls``, the stack's checkpoint block added, checked.
+
+    A config the server would refuse is a :class:`~gymckpt.errors.SettingsError` naming the entry.
+    """
+    configs = {}
+    for index, (name, kind, app, _, _, config) in enumerate(entries):
+        where = f"servers[{index}].config"
+        resolved = _resolve(config, urls, path, where)
+        if checkpoint is not None and kind not in NOT_GYM and "checkpoint" not in resolved:
+            resolved["checkpoint"] = checkpoint
+        if app is None and "instance" in config_fields(kind):
+            resolved.setdefault("instance", name)
+        try:
+            # what the server will read: refused here, before any starts (an app: its checkpoint: block)
+            if app is not None:
+                load_settings(resolved)
+            else:
+                load_config(kind, resolved)
+        except SettingsError as exc:
+            prefix = f"{where}."
+            raise SettingsError([(prefix + key, why) for key, why in exc.problems], path=path) from None
+        configs[name] = resolved
+    return configs
 
 
 def _check_block(checkpoint: Any, path: str) -> None:
@@ -307,7 +340,7 @@ def _check_block(checkpoint: Any, path: str) -> None:
         raise SettingsError(exc.problems, path=path) from None
 
 
-def _checked_entries(data: Any, path: str) -> list[tuple[str, str, str | None, int, int, dict[str, Any]]]:
+def _checked_entries(data: Any, path: str) -> list[StackEntry]:
     """``(name, kind, app, port, workers, config)`` of each entry; every mistake of the file at once."""
     if not isinstance(data, dict):
         raise SettingsError("a stack file is a mapping with a 'servers' list", path=path)
