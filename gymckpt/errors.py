@@ -49,10 +49,13 @@ damage (and is what ``verify``'s findings call their ``code``); an S3 error code
     │   │   └── RolloutAttemptConflict           "<id>-aN" given with an attempt index
     │   ├── CheckpointDirNotAllowed              403 checkpoint_dir_not_allowed (allowed_roots)
     │   ├── SessionBusy                          409 session_busy: an agent session already runs
+    │   ├── SessionRolloutMismatch               409 session_rollout_mismatch: a session cookie or token of another rollout
+    │   ├── SessionsNotExported                  409 export_failed: tracked sessions the server's state does not hold
     │   └── Unauthorized                         401 unauthorized
     ├── AgentError                               502 agent_error: a turn loop that cannot go on
     ├── AgentRequestError                        400 invalid_agent_request
     ├── RestoredInputMismatch                    409 restored_input_mismatch
+    ├── ReplayDiverged                           409 replay_diverged: a restored agent called otherwise than its journal
     ├── InvalidDataset (ValueError)              400 invalid_dataset: a collection's dataset line (file:line: why)
     ├── CollectionExists (FileExistsError)       409 collection_exists: results or checkpoints of an earlier collection
     ├── SettingsError (ValueError)               a settings file or dict refused at startup (file: key.path: why; never on the wire)
@@ -168,6 +171,9 @@ __all__ = [
     "RolloutIdRequired",
     "ServerCallFailed",
     "SessionBusy",
+    "SessionRolloutMismatch",
+    "SessionsNotExported",
+    "ReplayDiverged",
     "RetireIncomplete",
     "StaleAttempt",
     "StaleCheckpoint",
@@ -493,6 +499,16 @@ class SessionBusy(ControlError):
     code = "session_busy"
 
 
+class SessionRolloutMismatch(ControlError):
+    """A session cookie or MCP session token bound to another rollout, or to an attempt this one does not continue."""
+
+    code = "session_rollout_mismatch"
+
+
+class SessionsNotExported(ExportFailed):
+    """An export left out sessions the participant tracks: the server's state does not hold them."""
+
+
 class AgentError(GymckptError):
     """502 ``agent_error``: a turn loop that cannot go on (a malformed model reply or tool call)."""
 
@@ -511,6 +527,13 @@ class RestoredInputMismatch(GymckptError):
     """409 ``restored_input_mismatch``: a legacy run's replacement attempt brought another input."""
 
     code = "restored_input_mismatch"
+    status = 409
+
+
+class ReplayDiverged(GymckptError):
+    """A restored agent, run again from its input, made a call its journal does not hold at that place."""
+
+    code = "replay_diverged"
     status = 409
 
 
@@ -781,6 +804,8 @@ WIRE_ERRORS: dict[str, type[GymckptError]] = {
         AgentError,
         AgentRequestError,
         RestoredInputMismatch,
+        SessionRolloutMismatch,
+        ReplayDiverged,
         Unauthorized,
         InvalidCheckpointState,
         InvalidDataset,

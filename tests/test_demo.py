@@ -388,7 +388,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept_in_the_logs(
     async def broken(self: demo._Demo, *args: object) -> object:
         raise KeyError("a bug in a phase")
 
-    monkeypatch.setattr(demo._Demo, "_launch_until_half_finished", broken)
+    monkeypatch.setattr(demo._Demo, "_launch_until_checkpoint", broken)
     out, table = console()
     progress, lines = console()
     outcome = run_demo(
@@ -402,7 +402,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept_in_the_logs(
         == f"demo failed: KeyError: 'a bug in a phase' (an unexpected error: its traceback is in {traceback_file})"
     )
     assert second == f"server logs: {outcome.logs_dir}"
-    assert "_launch_until_half_finished" in traceback_file.read_text()
+    assert "_launch_until_checkpoint" in traceback_file.read_text()
     assert "Traceback" not in lines.getvalue() + table.getvalue()
     assert_gone(outcome.server_pids)
 

@@ -21,7 +21,7 @@ LAYERS = [
     # the test kit: the backend suite (store) and a fake participant (control); demo uses its moto endpoint
     ("testing", "participants"),
     ("workers",),
-    ("servers",),
+    ("servers", "integrations"),  # integrations sit beside servers; nothing else imports them
     ("stack",),
     ("demo",),
     ("cli", "__main__"),

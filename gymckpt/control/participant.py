@@ -40,6 +40,9 @@ class Participant(ABC):
     plane: ControlPlane | None = None
     #: an ASGI middleware class ``install_checkpointing`` adds (``participant=self``), or None
     middleware: ClassVar[type | None] = None
+    #: paths its middleware serves without a rollout (never fenced, counted or held), beside
+    #: :data:`~gymckpt.participants.rollout.UNFENCED_PATHS`: the block's ``exempt_paths`` and an integration's
+    exempt_paths: frozenset[str] = frozenset()
     #: where restored whole-episode state of another process waits (a worker's coordinator):
     #: ``await claim_source(key)`` gives its record once, else None (see :meth:`take_restored`)
     claim_source: Callable[[str], Awaitable[dict[str, Any] | None]] | None = None

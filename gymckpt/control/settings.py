@@ -69,6 +69,10 @@ class CheckpointSettings(BaseModel):
         default=None, description="Paths or URL prefixes checkpoint_dir must lie under; unset allows any."
     )
     control_connector_limit: int = Field(default=0, ge=0, description="Control connection pool size (0: no limit).")
+    exempt_paths: list[str] = Field(
+        default_factory=list,
+        description="Paths (exact, starting with /) served without a rollout: never fenced, counted or held.",
+    )
     control_connector_limit_per_host: int = Field(default=0, ge=0, description="Per host (0: no limit).")
 
     @field_validator("allowed_roots")
@@ -77,6 +81,16 @@ class CheckpointSettings(BaseModel):
         if roots is not None and not roots:
             raise ValueError("checkpoint.allowed_roots must list at least one root, or be left out")
         return roots
+
+    @field_validator("exempt_paths")
+    @classmethod
+    def _paths_absolute(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not path.startswith("/") or path.startswith("/ng-control/") or path.startswith("/ng-rollout/"):
+                raise ValueError(
+                    f"checkpoint.exempt_paths: {path!r} must be a path starting with / (not a gymckpt route)"
+                )
+        return paths
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> CheckpointSettings:

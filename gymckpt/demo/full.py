@@ -36,6 +36,7 @@ import aiohttp
 from rich.markup import escape
 
 from gymckpt.control.coordination import runs_to_await
+from gymckpt.demo.launch import TurnTrigger, launch_rollouts, past_first_turn
 from gymckpt.demo.measure import generation_tokens, held_model_calls, redone_model_calls, stages_at_checkpoint
 from gymckpt.demo.report import (
     EXIT_DIFFERS,
@@ -53,7 +54,7 @@ from gymckpt.demo.report import (
     stage_summary,
 )
 from gymckpt.identity import capture_key, split_capture_key
-from gymckpt.stack.harness import RolloutHarness, StackNotReady, default_stack_spec, task_for
+from gymckpt.stack.harness import RolloutHarness, StackNotReady, StateSizes, default_stack_spec, task_for
 from gymckpt.store import verify
 from gymckpt.store.checkpoint_store import backend_for_url
 
@@ -68,8 +69,6 @@ __all__ = ["run_demo"]
 
 T = TypeVar("T")
 
-#: the bounds of the launch window (seconds), whatever the uninterrupted run measured
-_LAUNCH_WINDOW_BOUNDS = (0.2, 5.0)
 #: how long the ``/run`` calls the environment ended before its export may take to reply
 _ENDED_RUNS_SECONDS = 10.0
 
@@ -100,6 +99,8 @@ def run_demo(
     stack_options: dict[str, Any] | None = None,
     checkpoint_after: float = 0.5,
     observer: Callable[[str, RolloutHarness], None] | None = None,
+    sizes: StateSizes | None = None,
+    checkpoint_turn: TurnTrigger | int | dict[str, Any] | None = None,
 ) -> DemoOutcome:
     """Run the full demo; print progress on ``progress_console`` (default ``console``) and the table.
 
@@ -114,7 +115,11 @@ def run_demo(
     ``stack_options`` go to :func:`~gymckpt.stack.harness.default_stack_spec` (the
     inference backend's ``token_delay_seconds``, the model's ``tool_turns``);
     ``checkpoint_after`` is the share of rollouts finished when the checkpoint is taken
-    (0.5: half; a smaller share leaves more in flight). ``observer`` is called with
+    (0.5: half; a smaller share leaves more in flight), unless ``checkpoint_turn``
+    (:class:`~gymckpt.demo.launch.TurnTrigger`, or its turn, or its fields as a dict) decides
+    by turn: once its share of the rollouts are in flight at its turn or later. ``sizes`` is how much state each rollout
+    carries (:class:`~gymckpt.stack.harness.StateSizes`; default: its realistic defaults; the
+    prompt length goes into the tasks, the rest into the stack). ``observer`` is called with
     an event name and the stack at each phase's edge: ``started:<label>`` once a stack
     answers, ``checkpoint`` before prepare, ``crash`` before the SIGKILL, ``restored``
     once the fresh processes answer, and ``continued`` when every rollout has its result
@@ -141,6 +146,8 @@ def run_demo(
         stack_options=stack_options,
         checkpoint_after=checkpoint_after,
         observer=observer,
+        sizes=sizes if sizes is not None else StateSizes(),
+        trigger=TurnTrigger.of(checkpoint_turn),
     )
     asyncio.run(demo.run())
     render(demo.outcome, console)
@@ -169,8 +176,12 @@ class _Demo:
         stack_options: dict[str, Any] | None = None,
         checkpoint_after: float = 0.5,
         observer: Callable[[str, RolloutHarness], None] | None = None,
+        sizes: StateSizes | None = None,
+        trigger: TurnTrigger | None = None,
     ) -> None:
         self.progress = progress
+        self.sizes = sizes if sizes is not None else StateSizes.compact()
+        self.trigger = trigger
         self.stack_options = dict(stack_options or {})
         self.checkpoint_after = checkpoint_after
         self._observer = observer
@@ -184,7 +195,9 @@ class _Demo:
         self.outcome = DemoOutcome(rollouts=rollouts, store_url=store_url, embedded_endpoint=embedded_endpoint)
         first = seed * rollouts
         #: rollout id ("<task index>-0") → task
-        self.tasks = {f"{first + i}-0": task_for(first + i) for i in range(rollouts)}
+        self.tasks = {
+            f"{first + i}-0": task_for(first + i, prompt_chars=self.sizes.prompt_chars) for i in range(rollouts)
+        }
         self._logs_parent = logs_dir
         #: the stacks' configs and logs, made with the first stack; removed after a clean run
         self.workdir: Path | None = None
@@ -255,7 +268,7 @@ class _Demo:
             f"a fresh stack answers after {time.perf_counter() - began:.1f} s: "
             + escape(", ".join(f"{name} {url}" for name, url in demo.urls.items()))
         )
-        runs = await self._launch_until_half_finished(demo)
+        runs = await self._launch_until_checkpoint(demo)
         in_flight = sorted(key for key, task in runs.items() if not task.done())
         completed_before_prepare = await self._model_calls(demo)
         self._observe("checkpoint", demo)
@@ -405,60 +418,32 @@ class _Demo:
         await self._close_stack(stack)
         return reference
 
-    async def _launch_until_half_finished(self, stack: RolloutHarness) -> dict[str, asyncio.Task[dict[str, Any]]]:
-        """Start every rollout, then wait until half of them have finished.
-
-        The first half starts at once; the second half one by one over the uninterrupted
-        run's median rollout, and whatever is left when the first rollout finishes starts
-        then. So every rollout is running just before the first ones finish, and when half
-        have finished the others stand anywhere from their first turn to their last.
-        """
-        low, high = _LAUNCH_WINDOW_BOUNDS
-        window = min(max(self.median_rollout, low), high)
-        at_once = (len(self.tasks) + 1) // 2
-        interval = window / max(len(self.tasks) - at_once, 1)
-        runs: dict[str, asyncio.Task[dict[str, Any]]] = {}
-        running = 0
-        first_finished = asyncio.Event()
-
-        def finished(_: object) -> None:
-            nonlocal running
-            running -= 1
-            first_finished.set()
-
-        began = time.perf_counter()
-        target = (
-            min(max(int(len(self.tasks) * self.checkpoint_after), 1), len(self.tasks) - 1) if len(self.tasks) > 1 else 1
-        )
+    async def _launch_until_checkpoint(self, stack: RolloutHarness) -> dict[str, asyncio.Task[dict[str, Any]]]:
+        """Start every rollout, then wait for the checkpoint's moment (:func:`launch_rollouts`)."""
         try:
             async with asyncio.timeout(self.timeout):
-                for index, key in enumerate(self.tasks):
-                    # paced against the clock, so a slow loop does not stretch the window
-                    delay = began + max(index - at_once + 1, 0) * interval - time.perf_counter()
-                    if delay > 0 and not first_finished.is_set():
-                        try:
-                            await asyncio.wait_for(first_finished.wait(), delay)
-                        except TimeoutError:
-                            pass
-                    runs[key] = self._spawn(stack.run(key, self.tasks[key]))
-                    running += 1
-                    runs[key].add_done_callback(finished)
-                    self.outcome.peak_in_flight = max(self.outcome.peak_in_flight, running)
-                self.outcome.launch_seconds = time.perf_counter() - began
-                while sum(task.done() for task in runs.values()) < target:
-                    pending = [task for task in runs.values() if not task.done()]
-                    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                launch = await launch_rollouts(
+                    stack,
+                    self.tasks,
+                    spawn=self._spawn,
+                    median_rollout=self.median_rollout,
+                    checkpoint_after=self.checkpoint_after,
+                    trigger=self.trigger,
+                )
         except TimeoutError as exc:
-            done = sum(task.done() for task in runs.values())
             raise _Failed(
-                f"only {done} of {len(self.tasks)} rollouts finished within {self.timeout:.0f} s"
+                f"the rollouts did not reach the checkpoint's moment within {self.timeout:.0f} s"
                 f"{_logs_showing_errors(stack)}",
                 log_tails=stack.log_tails(),
             ) from exc
+        runs = launch.runs
+        self.outcome.launch_seconds, self.outcome.peak_in_flight = launch.launch_seconds, launch.peak_in_flight
         done = sum(task.done() for task in runs.values())
+        at_turn = f", {launch.at_turn} of them at turn {self.trigger.turn} or later" if self.trigger else ""
         self.progress(
             f"started {_n(len(runs), 'rollout')} over {self.outcome.launch_seconds:.2f} s "
-            f"(up to {self.outcome.peak_in_flight} at once); {done} finished, {len(runs) - done} in flight: checkpoint"
+            f"(up to {self.outcome.peak_in_flight} at once); {done} finished, {len(runs) - done} in flight"
+            f"{at_turn}: checkpoint"
         )
         return runs
 
@@ -493,6 +478,7 @@ class _Demo:
             f"({parts}); gym/checkpoint.json published"
         )
         outcome.stages = await self._stages(exported)
+        outcome.exported_past_first_turn = past_first_turn(outcome.stages)
         if outcome.stages:
             self.progress(f"where the exported {_n(len(exported), 'rollout')} stood: {stage_summary(outcome.stages)}")
         return exported
@@ -670,7 +656,7 @@ class _Demo:
             storage_options=storage_options or None,
             allowed_roots=self._allowed_roots(),
             workers=workers,
-            **self.stack_options,
+            **{"sizes": self.sizes, **self.stack_options},
         )
         try:
             stack = await RolloutHarness.open(spec, workdir=workdir, request_timeout=self.timeout)

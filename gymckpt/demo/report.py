@@ -87,6 +87,8 @@ class DemoOutcome:
     records_by_participant: dict[str, int] = field(default_factory=dict)
     #: where the exported rollouts stood at the checkpoint (label → count)
     stages: dict[str, int] = field(default_factory=dict)
+    #: exported rollouts past their first turn (at turn 2 or later, or verifying), from ``stages``
+    exported_past_first_turn: int = 0
     model_calls_before_crash: int = 0
     model_calls_redone: int = 0
     #: tokens of the generations in flight at the checkpoint, kept by cuts, generated again

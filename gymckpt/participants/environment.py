@@ -1,6 +1,7 @@
 """The environment participant: episodes as steps with boundaries, continued after a restore.
 
-Record: ``{"episode_id", "task_digest", "boundary"}``. The replacement attempt's ``/run``
+Record: ``{"episode_id", "task_digest", "boundary", "task"}`` (``task``: the task itself, as the
+``/run`` gave it; a record without one, the reference's, is read too). The replacement attempt's ``/run``
 continues from the restored boundary, and its task must hash to the recorded digest. A
 restored episode whose replacement has not started yet stays live (idle at its restored
 boundary), so the next checkpoint exports it again.
@@ -57,6 +58,8 @@ class EnvironmentParticipant(RegistryParticipant):
         self.instance = instance
         self.registry = EpisodeRegistry()
         self._digests: dict[str, str] = {}
+        #: each live episode's task, as its ``/run`` gave it (or its restored record held it)
+        self._task_of: dict[str, Any] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._continued: set[str] = set()
 
@@ -100,6 +103,7 @@ class EnvironmentParticipant(RegistryParticipant):
                 raise CheckpointParked(f"a checkpoint is open: episode {key!r} cannot start now; retry it after resume")
             episode = self.registry.begin(key)
             self._digests[key] = digest
+            self._task_of[key] = task
         return episode
 
     def claim_restored(self, key: str) -> bool:
@@ -119,6 +123,7 @@ class EnvironmentParticipant(RegistryParticipant):
         episode.end()
         self._tasks.pop(key, None)
         self._digests.pop(key, None)
+        self._task_of.pop(key, None)
         self._continued.discard(key)
 
     def status_extra(self) -> dict[str, Any]:
@@ -137,8 +142,9 @@ class EnvironmentParticipant(RegistryParticipant):
     # --- the Participant interface
 
     async def export(self, scope: list[str] | None) -> list[dict[str, Any]]:
+        digests, tasks = self._digests, self._task_of
         return [
-            {"episode_id": key, "task_digest": self._digests[key], "boundary": boundary}
+            {"episode_id": key, "task_digest": digests[key], "boundary": boundary, "task": tasks.get(key)}
             for key, boundary in self.registry.export(scope).items()
         ]
 
@@ -156,6 +162,7 @@ class EnvironmentParticipant(RegistryParticipant):
             if self.registry.get(key) is None:
                 self.registry.begin(key, restored_boundary=record["boundary"], restored=True)
                 self._digests[key] = record["task_digest"]
+                self._task_of[key] = record.get("task")
 
     async def retire(self, episode_ids: list[str]) -> None:
         covered = AttemptsUpTo(episode_ids)

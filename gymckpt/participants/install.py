@@ -233,6 +233,7 @@ def install_checkpointing(
         return None
     if plane is None:
         plane = create_control_plane(participant, block)
+    participant.exempt_paths = participant.exempt_paths | frozenset(block.exempt_paths)
     if participant.middleware is not None:
         app.add_middleware(participant.middleware, participant=participant)
     app.add_middleware(RolloutPrefixMiddleware)

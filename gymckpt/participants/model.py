@@ -20,10 +20,12 @@ fails leaves the call held and the checkpoint valid (it is generated again after
 crash). Counts: ``cut``, ``cut_failed``, ``cut_skipped``.
 
 The capture ledger. Each delivered call leaves a row ``{model_call_id, request_digest,
-staging_key, tokens, response_digest}`` under its capture key (:meth:`ModelParticipant.delivered`). A commit
+staging_key, tokens, response_digest, …}`` under its capture key (:meth:`ModelParticipant.delivered`;
+the reference server adds the generation's ``token_ids`` and ``logprobs``, packed). A commit
 exports, per scoped episode with rows or a cut, ``{"episode_id", "rows", "generation_cuts"}``
 (one cut per episode: its latest admitted undelivered call's; a generation that completed
-while undelivered is kept whole, as a terminal cut), and its reply lists the
+while undelivered is kept whole, as a terminal cut; a cut carries its ``prefix``, the
+token ids and logprobs it kept, when the backend gave them), and its reply lists the
 ``staging_keys`` those records still refer to (and ``staging_keys_by_episode``). A restore,
 only on a server that has served no call, installs the rows under the replacement attempt
 and keeps each restored cut until the replacement call with the same request delivers:
@@ -110,6 +112,10 @@ class ModelCall:
     cut_failed: bool = False
     #: the whole generation as a terminal cut, once it completed while undelivered (None: not yet)
     terminal: dict[str, Any] | None = None
+    #: the generation, once complete, as its cut's record keeps it (``{"token_ids", "logprobs", "encoding"}``)
+    prefix: dict[str, Any] | None = None
+    #: the tokens of the cut prefix this checkpoint's cut gave (None: not cut, or not given)
+    cut_prefix: dict[str, Any] | None = None
     #: the restored cut this call continues (None: none)
     continues: dict[str, Any] | None = None
     #: the restored ledger row this call replays (None: none)
@@ -288,13 +294,23 @@ class ModelParticipant(Participant):
         if call.continues is not None and self.restored_cuts.get(call.key) is call.continues:
             del self.restored_cuts[call.key]
 
-    def generated(self, call: ModelCall, staging_key: str | None, tokens: int, digest: str) -> None:
+    def generated(
+        self,
+        call: ModelCall,
+        staging_key: str | None,
+        tokens: int,
+        digest: str,
+        *,
+        prefix: dict[str, Any] | None = None,
+    ) -> None:
         """``call``'s generation completed and was staged: if it stays undelivered, a checkpoint keeps all of it.
 
         A terminal cut (``terminal_finish_reason`` set) continues without generating a token.
+        ``prefix`` (e.g. ``{"token_ids", "logprobs", "encoding"}``) is the generation itself, kept in the cut's record.
         """
         if call.episode is None or not staging_key or call.constrained is not None:
             return
+        call.prefix = prefix
         call.terminal = {
             "schema_version": 2,
             "source_capture_key": call.key,
@@ -310,6 +326,11 @@ class ModelParticipant(Participant):
     def _kept(self, call: ModelCall) -> dict[str, Any] | None:
         """What a checkpoint keeps of an undelivered call: its whole generation, else its cut prefix."""
         return call.terminal if call.terminal is not None else call.cut
+
+    @staticmethod
+    def _kept_prefix(call: ModelCall) -> dict[str, Any] | None:
+        """The token ids and logprobs of what :meth:`_kept` keeps, when known."""
+        return call.prefix if call.terminal is not None else call.cut_prefix
 
     def note_deadline(self, deadline_ts: float | None) -> None:
         """The deadline of the prepare about to close admission: the cut round takes half of what is left."""
@@ -337,7 +358,7 @@ class ModelParticipant(Participant):
             cuttable = [call for call in undelivered if call.constrained is None and self._kept(call) is None]
         else:
             for call in undelivered:
-                call.cut, call.cut_failed = None, False
+                call.cut, call.cut_failed, call.cut_prefix = None, False, None
             cuttable = [call for call in undelivered if call.constrained is None]
         if self.cut_source is None or not cuttable:
             return
@@ -371,6 +392,12 @@ class ModelParticipant(Participant):
             ack = acks.get(call.ticket_id)
             if ack is not None and ack.get("disposition") == "durable_prefix":
                 call.cut, call.cut_failed = _continuation(call, ack), False
+                if ack.get("prefix_token_ids") is not None:  # the prefix itself, as the backend gave it
+                    call.cut_prefix = {
+                        "token_ids": ack["prefix_token_ids"],
+                        "logprobs": ack.get("prefix_logprobs"),
+                        "encoding": ack.get("prefix_encoding"),
+                    }
             elif self._kept(call) is None:
                 call.cut_failed = True
         self._changed()
@@ -446,7 +473,7 @@ class ModelParticipant(Participant):
     async def open_admission(self) -> None:
         """Deliver what was held; this checkpoint's cuts are over (the calls were not interrupted)."""
         for call in self._undelivered():
-            call.cut, call.cut_failed = None, False
+            call.cut, call.cut_failed, call.cut_prefix = None, False, None
         checkpoint_id, self._cut_checkpoint = self._cut_checkpoint, None
         if checkpoint_id is not None and self.release_source is not None:
             try:  # the backend froze the cut generations at their prefixes: they decode on
@@ -500,21 +527,21 @@ class ModelParticipant(Participant):
             rows = self.ledger.get(key, [])
             cut = cuts.get(key)
             if cut is not None:
-                generation_cuts = [
-                    {
-                        "model_call_id": cut.call_id,
-                        "request_digest": cut.request_digest,
-                        "continuation": self._kept(cut),
-                    }
-                ]
+                kept: dict[str, Any] = {
+                    "model_call_id": cut.call_id,
+                    "request_digest": cut.request_digest,
+                    "continuation": self._kept(cut),
+                }
+                if (prefix := self._kept_prefix(cut)) is not None:
+                    kept["prefix"] = prefix
+                generation_cuts = [kept]
             elif key in self.restored_cuts:
                 generation_cuts = [dict(self.restored_cuts[key])]
             else:
                 generation_cuts = []
             if rows or generation_cuts:
-                records.append(
-                    {"episode_id": key, "rows": [dict(row) for row in rows], "generation_cuts": generation_cuts}
-                )
+                # rows are never changed once delivered: the record shares them (its list is its own)
+                records.append({"episode_id": key, "rows": list(rows), "generation_cuts": generation_cuts})
         self._exported = records
         return records
 
@@ -557,7 +584,7 @@ class ModelParticipant(Participant):
                 )
             checked.append((key, rows, cut))
         for key, rows, cut in checked:
-            self.ledger[key] = [dict(row) for row in rows]
+            self.ledger[key] = list(rows)  # its own list; the rows themselves are never changed: not copied
             replayable = [
                 row
                 for row in self.ledger[key]

@@ -9,7 +9,8 @@ request as a whole, so no request body is ever inspected:
 - Every data request must carry the rollout prefix (``/ng-rollout/<capture key>/…``);
   one without it is ``rollout_id_required`` (400), one of a retired attempt is
   ``stale_attempt`` (409). Control routes, health probes and the API docs
-  (:data:`~gymckpt.participants.rollout.UNFENCED_PATHS`) are not fenced.
+  (:data:`~gymckpt.participants.rollout.UNFENCED_PATHS`) are not fenced, nor the participant's
+  ``exempt_paths`` (``checkpoint.exempt_paths``, and an integration's defaults).
 - The session lifecycle comes from the paths: a successful ``/seed_session`` starts the
   session of the request's capture key; a successful ``/verify`` or ``/close_session``
   ends it. A server whose sessions also start elsewhere (a tool call on an unknown
@@ -445,7 +446,7 @@ class ResourcesMiddleware:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         participant = self.participant
         path = scope.get("path", "")
-        if scope["type"] != "http" or is_unfenced(path):
+        if scope["type"] != "http" or is_unfenced(path) or path in participant.exempt_paths:
             await self.app(scope, receive, send)
             return
         episode = current_episode()

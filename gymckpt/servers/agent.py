@@ -7,7 +7,8 @@ Routes (docs/reference-stack.md, "agent"):
   "expected_tool"?}`` → ``{"output_text", "turns", "expected"}``. The loop calls the model
   (``model_url`` ``/v1/responses``, for the same episode); a ``function_call`` is sent to
   ``POST <resources_url>/<tool name>`` with its JSON arguments (for the same episode), its
-  reply appended as a ``role: tool`` message; a final message ends the activation.
+  reply appended as a ``role: tool`` message; a final message ends the activation. The
+  model's ``reasoning`` items join the conversation as they came, before its call or message.
   ``turns`` counts the activation's model calls, ``expected`` is the session's sum of the
   tool calls' ``n`` arguments (what the counter's ``/verify`` checks).
 - ``POST /close_session``: the session ends.
@@ -130,10 +131,11 @@ def input_digest(items: list[dict[str, Any]]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _ModelTurn:
-    """A parsed model reply: a function call, or a final text."""
+    """A parsed model reply: a function call, or a final text, and the reasoning items before it."""
 
     call: dict[str, Any] | None
     text: str
+    reasoning: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +217,7 @@ class _Conversation:
         assert self.activation is not None
         digest, turns = self.activation
         self.activation = (digest, turns + 1)
+        self.messages.extend(turn.reasoning)  # the model's reasoning stays in the conversation, as sent
         if turn.call is not None:
             self.messages.append(turn.call)
             self.pending_call = turn.call
@@ -503,10 +506,13 @@ def _parse_model_reply(reply: dict[str, Any]) -> _ModelTurn:
     output = reply.get("output")
     if not isinstance(output, list):
         raise AgentError("the model reply has no output list")
+    reasoning: list[dict[str, Any]] = []
     for item in output:
         if not isinstance(item, dict):
             continue
-        if item.get("type") == "function_call":
+        if item.get("type") == "reasoning":
+            reasoning.append(item)
+        elif item.get("type") == "function_call":
             name = item.get("name")
             if not isinstance(name, str) or not _TOOL_NAME.match(name):
                 raise AgentError(f"the model called a tool with an unusable name: {name!r}")
@@ -514,19 +520,21 @@ def _parse_model_reply(reply: dict[str, Any]) -> _ModelTurn:
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments)
             return _ModelTurn(
-                {"type": "function_call", "name": name, "arguments": arguments, "call_id": item.get("call_id")}, ""
+                {"type": "function_call", "name": name, "arguments": arguments, "call_id": item.get("call_id")},
+                "",
+                tuple(reasoning),
             )
-        if item.get("type") == "message" or item.get("role") == "assistant":
+        elif item.get("type") == "message" or item.get("role") == "assistant":
             content = item.get("content")
             if isinstance(content, str):
-                return _ModelTurn(None, content)
+                return _ModelTurn(None, content, tuple(reasoning))
             if isinstance(content, list):
                 text = "".join(
                     part.get("text", "")
                     for part in content
                     if isinstance(part, dict) and part.get("type") in ("output_text", "text")
                 )
-                return _ModelTurn(None, text)
+                return _ModelTurn(None, text, tuple(reasoning))
     raise AgentError("the model reply has neither a function_call nor a message")
 
 

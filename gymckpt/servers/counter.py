@@ -4,7 +4,8 @@ Routes (docs/reference-stack.md, "resources"):
 
 - ``POST /seed_session`` ``{"task_input": {...}}`` → ``{"session": <id>}``: a fresh session,
   count 0 (seeding an existing session starts it over).
-- ``POST /increment`` ``{"n": int}`` → ``{"count": int}``. A session the server does not hold
+- ``POST /increment`` ``{"n": int}`` → ``{"count": int}`` (and ``"output"``, ``output_chars`` of
+  text derived from the count, when configured: a tool's output). A session the server does not hold
   starts at 0 (so a continued rollout whose state was not restored gets the wrong count,
   not an error).
 - ``POST /verify`` ``{"response": str, "expected": int}`` → ``{"reward": 1.0 | 0.0}``: 1.0 when
@@ -22,6 +23,7 @@ per session), ``checkpoint_verify = "wait"``.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
@@ -48,6 +50,14 @@ class CounterConfig(ServerConfig):
     """The counter server's config: the participant instance name and the ``checkpoint:`` block."""
 
     instance: str = "counter-0"
+    #: characters of ``output`` text in each ``/increment`` reply (0: none), like a tool's output
+    output_chars: int = Field(default=0, ge=0)
+
+
+def tool_output(count: int, n: int, chars: int) -> str:
+    """``chars`` characters of text derived from ``(count, n)``: the same increment gives the same output."""
+    line = f"added {n}, count is now {count}; " + hashlib.sha256(f"{count}:{n}".encode()).hexdigest() + "\n"
+    return (line * (chars // len(line) + 1))[:chars]
 
 
 class SeedBody(BaseModel):
@@ -159,7 +169,10 @@ def build_counter_app(config: CounterConfig, server: CounterServer | None = None
 
     @app.post("/increment")
     async def increment(request: Request, body: IncrementBody) -> dict[str, Any]:
-        return {"count": await server.increment(session_key(request), body.n)}
+        count = await server.increment(session_key(request), body.n)
+        if config.output_chars:
+            return {"count": count, "output": tool_output(count, body.n, config.output_chars)}
+        return {"count": count}
 
     @app.post("/verify")
     async def verify(request: Request, body: VerifyBody) -> dict[str, Any]:

@@ -7,14 +7,18 @@ server: it stages token ids in a token store, cuts generations at a checkpoint, 
 continues a cut generation on the replacement call.
 
 - ``POST /generate`` ``{"call_id", "prompt", "seed", "max_tokens", "ng_capture"?}`` →
-  ``{"call_id", "tokens", "text", "staging_key", "generated", "continued_from"}``. Tokens
-  are a deterministic function of ``(seed, prompt)`` (a sha256-seeded
-  :class:`random.Random`); a longer generation extends a shorter one. One token every
-  ``token_delay_seconds``, so generations are in flight when a checkpoint is taken. A
+  ``{"call_id", "tokens", "logprobs", "text", "staging_key", "generated", "continued_from"}``.
+  Tokens and their logprobs are deterministic functions of ``(seed, prompt)`` (sha256-seeded
+  :class:`random.Random` streams); a longer generation extends a shorter one. One decoding
+  step of ``tokens_per_step`` tokens every ``token_delay_seconds``, so generations are in
+  flight when a checkpoint is taken. A
   completed generation is staged under ``__calls__/<call_id>``. With
   ``ng_capture.generation_cut`` (a :class:`GenerationCutContinuation`) the backend checks
   the staged prefix it names and produces only the rest: the tokens are the same as an
   uncut generation's; a mismatch is 409 ``generation_cut_mismatch``.
+- ``GET /turns`` → ``{"rollouts_by_turn": {"<turn>": count}}``: how many rollout attempts have
+  started each turn as their latest (turn ``n + 1`` for a call id ``"<capture key>:<n>"``), so
+  a controller can checkpoint once enough rollouts are past their first turn.
 - ``GET /calls`` → every completed call in order, ``[{"call_id", "prompt_sha256", "seed",
   "tokens", "staging_key", "generated", "continued_from"}]``; ``POST /calls/reset`` empties it.
 - ``POST /ng-control/v1/generation-cut`` (a :class:`GenerationCutInventory`) → a generation
@@ -23,7 +27,8 @@ continues a cut generation on the replacement call.
   decodes no further token) until ``POST /ng-control/v1/generation-cut/release
   {"checkpoint_id"}`` (the checkpoint resumed: it goes on), its client goes away (a crash:
   abandoned), or :data:`FREEZE_SECONDS` pass; a completed one is staged whole (a terminal
-  completion); any other is a ``durable_failure``. So after a crash the replacement call
+  completion); any other is a ``durable_failure``. A durable ack carries the prefix itself,
+  ``prefix_token_ids`` and ``prefix_logprobs``, packed (:mod:`gymckpt.servers.token_codec`). So after a crash the replacement call
   generates only tokens nobody generated before.
 - ``GET /ng-control/v1/generations`` → ``{"generations": [{"call_id", "tokens", "max_tokens",
   "frozen_by"}]}``: the generations still decoding (what a cut can name).
@@ -45,6 +50,7 @@ import json
 import random
 import secrets
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -56,6 +62,7 @@ from gymckpt.control.responses import error_response
 from gymckpt.errors import ClientDisconnected, GenerationCutMismatch, InvalidRequest, Unauthorized
 from gymckpt.participants.signal import ChangeSignal
 from gymckpt.servers.base import ServerConfig, build_app
+from gymckpt.servers.token_codec import TOKEN_ENCODING, pack_logprobs, pack_token_ids
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
@@ -88,6 +95,7 @@ __all__ = [
     "cut_staging_key",
     "generate_tokens",
     "inventory_digest",
+    "token_logprobs",
     "prefix_digest",
     "token_text",
 ]
@@ -113,9 +121,12 @@ _HEX64 = r"^[0-9a-f]{64}$"
 
 
 class InferenceConfig(ServerConfig):
-    """The inference backend's config: the simulated latency per token."""
+    """The inference backend's config: the simulated latency of each decoding step and its tokens."""
 
+    #: the latency of one decoding step
     token_delay_seconds: float = Field(default=0.01, ge=0)
+    #: tokens one decoding step produces (long generations stay cheap: one wake-up per step, not per token)
+    tokens_per_step: int = Field(default=1, ge=1)
 
 
 class _Wire(BaseModel):
@@ -225,6 +236,7 @@ class Generated:
     staging_key: str
     generated: int
     continued_from: int
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -237,6 +249,8 @@ class _Live:
     prompt_sha256: str
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
+    #: the logprob of each token so far
+    logprobs: list[float] = field(default_factory=list)
     #: the checkpoint whose cut froze this generation (None: decoding), and its release
     frozen_by: str | None = None
     released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -295,6 +309,27 @@ def generate_tokens(seed: int, prompt: str, max_tokens: int) -> list[int]:
     return [rng.randrange(VOCAB_SIZE) for _ in range(max_tokens)]
 
 
+def token_logprobs(seed: int, prompt_sha256: str, count: int) -> list[float]:
+    """The logprobs of the first ``count`` tokens of ``(seed, prompt)`` (``prompt_sha256``: the prompt's sha256
+    hex): a stream of their own, so the tokens stay those of :func:`generate_tokens`; 6 decimals."""
+    rng = _logprob_rng(seed, prompt_sha256)
+    return [_logprob(rng) for _ in range(count)]
+
+
+def _logprob_rng(seed: int, prompt_sha256: str) -> random.Random:
+    return random.Random(int.from_bytes(hashlib.sha256(f"logprobs\n{seed}\n{prompt_sha256}".encode()).digest(), "big"))
+
+
+def _logprob(rng: random.Random) -> float:
+    return -round(rng.expovariate(2.0), 6)
+
+
+def call_turn(call_id: str) -> tuple[str, int] | None:
+    """``(capture key, turn)`` of a model call id ``"<capture key>:<tool results so far>"`` (turn 1: none yet)."""
+    key, _, count = call_id.rpartition(":")
+    return (key, int(count) + 1) if key and count.isdigit() else None
+
+
 def token_text(tokens: list[int]) -> str:
     """The text of ``tokens``: their ids, space-separated."""
     return " ".join(map(str, tokens))
@@ -321,6 +356,15 @@ def inventory_digest(checkpoint_id: str, server_name: str, active_prefixes: list
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _prefix(tokens: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """A durable ack's prefix itself, packed (:mod:`gymckpt.servers.token_codec`): its token ids and logprobs."""
+    return {
+        "prefix_token_ids": pack_token_ids(tokens),
+        "prefix_logprobs": pack_logprobs(logprobs),
+        "prefix_encoding": TOKEN_ENCODING,
+    }
+
+
 def _failure_ack() -> dict[str, Any]:
     return {
         "disposition": "durable_failure",
@@ -338,8 +382,11 @@ def _failure_ack() -> dict[str, Any]:
 class InferenceBackend:
     """The generations in flight, the log of completed ones and the token store (one per app)."""
 
-    def __init__(self, token_delay_seconds: float) -> None:
+    def __init__(self, token_delay_seconds: float, tokens_per_step: int = 1) -> None:
         self.token_delay_seconds = token_delay_seconds
+        self.tokens_per_step = tokens_per_step
+        #: capture key → the latest turn a call of it started (:func:`call_turn`)
+        self.turns: dict[str, int] = {}
         #: completed calls, in completion order
         self.calls: list[dict[str, Any]] = []
         #: generation serial → call_id, for generations not yet completed
@@ -404,14 +451,18 @@ class InferenceBackend:
             raise GenerationCutMismatch(f"generation_cut {key!r}: " + "; ".join(differences))
         return staged
 
-    def _complete(self, request: GenerateRequest, tokens: list[int], continued_from: int) -> Generated:
-        """Stage and log a completed generation."""
+    def _complete(
+        self, request: GenerateRequest, tokens: list[int], continued_from: int, logprobs: list[float] | None = None
+    ) -> Generated:
+        """Stage and log a completed generation (``logprobs``: those of ``tokens``, computed when not given)."""
         key = calls_staging_key(request.call_id)
         prompt_sha256 = hashlib.sha256(request.prompt.encode()).hexdigest()
         self.staged[key] = StagedTokens(
             list(tokens), request.seed, prompt_sha256, request.max_tokens, complete=True, call_id=request.call_id
         )
         generated = len(tokens) - continued_from
+        if logprobs is None:
+            logprobs = token_logprobs(request.seed, prompt_sha256, len(tokens))
         self.calls.append(
             {
                 "call_id": request.call_id,
@@ -423,7 +474,7 @@ class InferenceBackend:
                 "continued_from": continued_from,
             }
         )
-        return Generated(list(tokens), key, generated, continued_from)
+        return Generated(list(tokens), key, generated, continued_from, logprobs)
 
     async def generate(self, request: GenerateRequest, client: ClientWatch) -> Generated | None:
         """Produce the tokens one by one; None if the ``client`` went away before the end.
@@ -432,6 +483,7 @@ class InferenceBackend:
         (:class:`GenerationCutMismatch` before anything is generated), or with a terminal
         finish reason returns the staged tokens at once.
         """
+        self._note_turn(request.call_id)
         cut = request.generation_cut
         prefix: list[int] = []
         if cut is not None:
@@ -441,6 +493,8 @@ class InferenceBackend:
         serial = next(self._serial)
         prompt_sha256 = hashlib.sha256(request.prompt.encode()).hexdigest()
         live = _Live(serial, request.call_id, request.seed, prompt_sha256, request.max_tokens, list(prefix))
+        logprob_rng = _logprob_rng(request.seed, prompt_sha256)
+        live.logprobs = [_logprob(logprob_rng) for _ in prefix]
         self._live[serial] = live
         self._live_by_call.setdefault(request.call_id, {})[serial] = live
         self.in_flight[serial] = request.call_id
@@ -456,16 +510,18 @@ class InferenceBackend:
                 await asyncio.sleep(self.token_delay_seconds)
                 await self._decoding.wait()
                 if live.frozen_by is not None:
-                    continue  # cut during this token's delay: the token is not produced
+                    continue  # cut during this step's delay: its tokens are not produced
                 if client.gone:
                     self.abandoned += 1
                     return None
-                live.tokens.append(rng.randrange(VOCAB_SIZE))
+                step = min(self.tokens_per_step, request.max_tokens - len(live.tokens))
+                live.tokens.extend([rng.randrange(VOCAB_SIZE) for _ in range(step)])
+                live.logprobs.extend([_logprob(logprob_rng) for _ in range(step)])
                 self._changed()
             if client.gone:
                 self.abandoned += 1
                 return None
-            return self._complete(request, live.tokens, continued_from=len(prefix))
+            return self._complete(request, live.tokens, continued_from=len(prefix), logprobs=live.logprobs)
         finally:
             del self.in_flight[serial]
             del self._live[serial]
@@ -474,6 +530,15 @@ class InferenceBackend:
             if not lives:
                 del self._live_by_call[request.call_id]
             self._changed()
+
+    def _note_turn(self, call_id: str) -> None:
+        turn = call_turn(call_id)
+        if turn is not None and turn[1] > self.turns.get(turn[0], 0):
+            self.turns[turn[0]] = turn[1]
+
+    def rollouts_by_turn(self) -> dict[str, int]:
+        """How many rollout attempts stand at each turn (the latest one a call of theirs started)."""
+        return {str(turn): count for turn, count in sorted(Counter(self.turns.values()).items())}
 
     # --- generation cut
 
@@ -541,14 +606,16 @@ class InferenceBackend:
             self.staged[key] = StagedTokens(
                 tokens, live.seed, live.prompt_sha256, live.max_tokens, complete=False, call_id=live.call_id
             )
-            return self._durable_ack(key, "active_prefix", tokens, max(1, live.max_tokens - len(tokens)), None)
+            ack = self._durable_ack(key, "active_prefix", tokens, max(1, live.max_tokens - len(tokens)), None)
+            return {**ack, **_prefix(tokens, live.logprobs[: len(tokens)])}
         done = self.staged.get(calls_staging_key(prefix.model_call_id))
         if done is not None and done.complete:
             tokens = list(done.tokens)
             self.staged[key] = StagedTokens(
                 tokens, done.seed, done.prompt_sha256, done.max_tokens, complete=True, call_id=done.call_id
             )
-            return self._durable_ack(key, "terminal_completion", tokens, 1, "length")
+            ack = self._durable_ack(key, "terminal_completion", tokens, 1, "length")
+            return {**ack, **_prefix(tokens, token_logprobs(done.seed, done.prompt_sha256, len(tokens)))}
         return _failure_ack()
 
     @staticmethod
@@ -628,7 +695,7 @@ def _check_digest(raw: dict[str, Any], inventory: GenerationCutInventory) -> Non
 def build_inference_app(config: InferenceConfig) -> FastAPI:
     """The fake inference backend's app (no checkpoint routes, whatever the config says)."""
     app, _, _ = build_app("gymckpt inference", config, participant=None)
-    backend = InferenceBackend(config.token_delay_seconds)
+    backend = InferenceBackend(config.token_delay_seconds, config.tokens_per_step)
     app.state.backend = backend
     if config.checkpoint.token:
         app.add_middleware(_BackendControlAuth, token=config.checkpoint.token)
@@ -643,12 +710,17 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
             {
                 "call_id": body.call_id,
                 "tokens": result.tokens,
+                "logprobs": result.logprobs,
                 "text": token_text(result.tokens),
                 "staging_key": result.staging_key,
                 "generated": result.generated,
                 "continued_from": result.continued_from,
             }
         )
+
+    @app.get("/turns")
+    async def turns() -> dict[str, dict[str, int]]:
+        return {"rollouts_by_turn": backend.rollouts_by_turn()}
 
     @app.get("/calls")
     async def calls() -> list[dict[str, Any]]:

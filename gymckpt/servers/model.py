@@ -7,7 +7,9 @@ tokens. While the conversation holds fewer tool results than ``tool_turns`` and 
 offered, the answer is a ``function_call`` of the first tool with arguments
 ``{"n": tokens[0] % 5 + 1}`` (``{"city": …}`` for ``get_weather``); otherwise a final
 message ``"answer " + tokens[:4]`` (followed by ``": <forecast>"`` after a ``get_weather``
-result, so a weather rollout's answer names its forecast). The
+result, so a weather rollout's answer names its forecast). With ``reasoning`` the output
+starts with a ``reasoning`` item whose summary is the generation's text (a word per
+token, :func:`token_words`), so the conversation grows with the generation length. The
 reply's ids derive from the prompt too, so the same input always gives the same reply,
 with checkpointing on or off.
 
@@ -48,6 +50,7 @@ from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
 from gymckpt.servers.base import Downstream, ServerConfig, build_app, server_workers
 from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest, prefix_digest
+from gymckpt.servers.token_codec import TOKEN_ENCODING, pack_logprobs, pack_token_ids
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -71,6 +74,7 @@ __all__ = [
     "constrained_decoding",
     "policy_reply",
     "sse_events",
+    "token_words",
     "tool_results",
 ]
 
@@ -84,6 +88,8 @@ class ModelServerConfig(ServerConfig):
     tool_turns: int = Field(default=3, ge=0)
     #: tokens asked of the inference backend per call (the final message shows the first four)
     max_tokens: int = Field(default=8, ge=1)
+    #: whether a reply starts with a ``reasoning`` item holding the generation's text (a word per token)
+    reasoning: bool = False
     #: the participant's instance name
     instance: str = "model-0"
     #: whether this server is the policy model, the one checkpoint participant among the model
@@ -164,7 +170,8 @@ class ConversationRequest(BaseModel):
 
 
 def _first_output(reply: dict[str, Any]) -> dict[str, Any]:
-    return reply["output"][0]  # type: ignore[no-any-return]
+    """The reply's answer: its first output item that is not reasoning."""
+    return next(item for item in reply["output"] if item.get("type") != "reasoning")  # type: ignore[no-any-return]
 
 
 def chat_completion(reply: dict[str, Any]) -> dict[str, Any]:
@@ -254,10 +261,32 @@ def _last_forecast(items: list[dict[str, Any]]) -> str:
     return ""
 
 
-def policy_reply(request: ResponsesRequest, tokens: list[int], *, tool_turns: int) -> dict[str, Any]:
-    """The reply of the deterministic policy to ``request`` given the backend's ``tokens``."""
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "do", "fu", "gi", "ha", "ju", "be")
+#: the policy's words: a token ``t`` reads as ``_WORDS[t % len(_WORDS)]``
+_WORDS = tuple(a + b + end for a in _SYLLABLES for b in _SYLLABLES for end in ("", "n", "r", "s"))
+
+
+def token_words(tokens: list[int]) -> str:
+    """The text of a generation: a word per token, space-separated (deterministic, about 6 bytes a token)."""
+    words = _WORDS
+    return " ".join([words[token % len(words)] for token in tokens])
+
+
+def policy_reply(
+    request: ResponsesRequest,
+    tokens: list[int],
+    *,
+    tool_turns: int,
+    reasoning: bool = False,
+    prompt_sha256: str | None = None,
+) -> dict[str, Any]:
+    """The reply of the deterministic policy to ``request`` given the backend's ``tokens``.
+
+    ``reasoning``: the output starts with a ``reasoning`` item summarising all of ``tokens``.
+    ``prompt_sha256``: the sha256 hex of the request's :func:`canonical_prompt`, if known already.
+    """
     items = request.items()
-    digest = hashlib.sha256(canonical_prompt(items).encode()).hexdigest()
+    digest = prompt_sha256 or hashlib.sha256(canonical_prompt(items).encode()).hexdigest()
     if request.tools and tool_results(items) < tool_turns:
         name = _tool_name(request.tools[0])
         item: dict[str, Any] = {
@@ -274,12 +303,16 @@ def policy_reply(request: ResponsesRequest, tokens: list[int], *, tool_turns: in
             "role": "assistant",
             "content": [{"type": "output_text", "text": f"{text}: {forecast}" if forecast else text}],
         }
+    output = [item]
+    if reasoning:
+        summary = [{"type": "summary_text", "text": token_words(tokens)}]
+        output.insert(0, {"type": "reasoning", "id": f"rs_{digest[:24]}", "summary": summary})
     return {
         "id": f"resp_{digest[:24]}",
         "object": "response",
         "model": request.model,
         "status": "completed",
-        "output": [item],
+        "output": output,
         "usage": {"output_tokens": len(tokens)},
     }
 
@@ -342,6 +375,15 @@ class _EventStream(Response):
                 participant.finish(call)
 
 
+def _packed(generated: dict[str, Any]) -> dict[str, Any]:
+    """A ``/generate`` reply's token ids and logprobs, packed (:mod:`gymckpt.servers.token_codec`)."""
+    return {
+        "token_ids": pack_token_ids(generated.get("tokens", [])),
+        "logprobs": pack_logprobs(generated.get("logprobs", [])),
+        "encoding": TOKEN_ENCODING,
+    }
+
+
 def build_model_app(config: ModelServerConfig) -> FastAPI:
     """The policy model server's app; a participant only when the config enables checkpointing.
 
@@ -363,20 +405,23 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         participant.cut_source = cutter.cut
         participant.release_source = cutter.release
 
-    def generate_body(request: ResponsesRequest, episode: EpisodeId | None) -> dict[str, Any]:
+    def generate_body(request: ResponsesRequest, episode: EpisodeId | None) -> tuple[dict[str, Any], str]:
+        """The ``/generate`` body, and the prompt's sha256 hex (its seed, the request digest, the reply's ids)."""
         items = request.items()
         prompt = canonical_prompt(items)
+        prompt_sha256 = hashlib.sha256(prompt.encode()).hexdigest()
         if episode is not None:
             rollout = episode.capture_key
         else:
             named = request.metadata.get("rollout_id")
             rollout = named if isinstance(named, str) else "anonymous"
-        return {
+        body = {
             "call_id": f"{rollout}:{tool_results(items)}",
             "prompt": prompt,
-            "seed": int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16),
+            "seed": int(prompt_sha256[:8], 16),
             "max_tokens": config.max_tokens,
         }
+        return body, prompt_sha256
 
     async def generate(body: dict[str, Any], call: ModelCall | None) -> dict[str, Any]:
         continuation = participant.continuation_for(call) if participant is not None and call is not None else None
@@ -393,22 +438,25 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 "the backend refused to continue the cut of %s (%s); generating it again", body["call_id"], exc
             )
             reply, _ = await inference.post(config.inference_url, "/generate", body, episode=None)
+        tokens = reply.get("tokens", [])
+        # for the ledger row too: hashed and packed once
+        reply["response_digest"] = digest = prefix_digest(tokens)
+        reply["packed"] = packed = _packed(reply)
         if participant is not None and call is not None:
-            tokens = [int(token) for token in reply.get("tokens", [])]
-            participant.generated(call, reply.get("staging_key"), len(tokens), prefix_digest(tokens))
+            participant.generated(call, reply.get("staging_key"), len(tokens), digest, prefix=packed)
         return reply
 
     async def serve(request: ResponsesRequest, shape: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
         """One policy call, gated by the participant; ``shape`` turns the Responses reply into the route's."""
         episode = current_episode()
-        body = generate_body(request, episode)
+        body, prompt_sha256 = generate_body(request, episode)
         call = None
         if participant is not None:
             call = participant.admit(
                 episode,
                 stream=request.stream,
                 call_id=body["call_id"],
-                request_digest=hashlib.sha256(body["prompt"].encode()).hexdigest(),
+                request_digest=prompt_sha256,
                 constrained=constrained_decoding(request),
             )
         handed_over = False
@@ -420,15 +468,27 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                     generated = await generate(body, None)
             except (DownstreamError, aiohttp.ClientError) as exc:
                 return error_response(InferenceFailed(f"the inference backend failed: {exc}"))
-            tokens = [int(token) for token in generated["tokens"]]
+            tokens = generated["tokens"]
+            # the ledger row keeps the generation itself: its token ids and logprobs, packed
             row = {
                 "model_call_id": body["call_id"],
                 "request_digest": call.request_digest if call is not None else "",
                 "staging_key": generated.get("staging_key"),
                 "tokens": len(tokens),
-                "response_digest": prefix_digest(tokens),
+                "response_digest": generated["response_digest"],
+                **generated["packed"],
             }
-            reply = policy_reply(request, tokens, tool_turns=config.tool_turns)
+            from gymckpt.servers.responses_api import responses_api_reply  # a whole OpenAI Responses API object
+
+            reply = responses_api_reply(request)(
+                policy_reply(
+                    request,
+                    tokens,
+                    tool_turns=config.tool_turns,
+                    reasoning=config.reasoning,
+                    prompt_sha256=prompt_sha256,
+                )
+            )
             if request.stream:
                 handed_over = True
                 return _EventStream(sse_events(reply, tokens), participant, call, row)

@@ -10,6 +10,7 @@ its call log tells which model calls a restore made again.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,11 +31,41 @@ __all__ = [
     "RestoreOutcome",
     "RolloutHarness",
     "StackNotReady",
+    "StateSizes",
     "default_stack_spec",
+    "prompt_text",
     "task_for",
 ]
 
 TOOLS = [{"type": "function", "name": "increment"}]
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """How much state each rollout carries: the knobs behind realistic records.
+
+    The defaults give at least the reference's bytes per exported rollout once most are past
+    their first turn (environment ≥ 0.9 KB, agent ≥ 1.9 KB, model ≥ 2.7 KB);
+    :meth:`compact` is the small stack of the unit and process tests. All content is
+    deterministic (derived from the task index and the generation), so an uninterrupted and a
+    restored run give the same results.
+    """
+
+    #: characters of each task's prompt (:func:`prompt_text`): in the environment's and the agent's records
+    prompt_chars: int = 800
+    #: characters of each tool call's output (the counter's ``output_chars``): in the agent's conversation
+    tool_output_chars: int = 320
+    #: tokens of each model call (the model's ``max_tokens``): the ledger rows' token ids and logprobs
+    generation_tokens: int = 96
+    #: tokens the inference backend makes per decoding step (a step takes ``token_delay_seconds``)
+    tokens_per_step: int = 12
+    #: whether the model's replies carry a reasoning item (a word per token) that joins the conversation
+    reasoning: bool = True
+
+    @classmethod
+    def compact(cls) -> StateSizes:
+        """The small stack: short prompts, no tool output, 8 tokens a call one at a time, no reasoning."""
+        return cls(prompt_chars=0, tool_output_chars=0, generation_tokens=8, tokens_per_step=1, reasoning=False)
 
 
 def default_stack_spec(
@@ -47,11 +78,26 @@ def default_stack_spec(
     resources: str = "counter",
     allowed_roots: list[str] | None = None,
     workers: int = 1,
+    sizes: StateSizes | None = None,
 ) -> dict[str, Any]:
     """The reference stack: inference, model, a resources server, the agent, the environment.
 
     ``workers``: uvicorn workers of each Gym server (the inference backend runs one).
+    ``sizes``: how much state a rollout carries (default :meth:`StateSizes.compact`; the
+    prompt length is the tasks' own, :func:`task_for`).
     """
+    sizes = sizes if sizes is not None else StateSizes.compact()
+    model: dict[str, Any] = {"inference_url": "{inference}", "tool_turns": tool_turns}
+    if sizes.generation_tokens != 8:
+        model["max_tokens"] = sizes.generation_tokens
+    if sizes.reasoning:
+        model["reasoning"] = True
+    inference: dict[str, Any] = {"token_delay_seconds": token_delay_seconds}
+    if sizes.tokens_per_step != 1:
+        inference["tokens_per_step"] = sizes.tokens_per_step
+    resources_server: dict[str, Any] = {"name": "resources", "kind": resources}
+    if sizes.tool_output_chars and resources == "counter":
+        resources_server["config"] = {"output_chars": sizes.tool_output_chars}
     checkpoint: dict[str, Any] = {"enabled": True, "control_auth_token": token}
     if storage_options:
         checkpoint["storage_options"] = storage_options
@@ -61,14 +107,9 @@ def default_stack_spec(
         "checkpoint": checkpoint,
         "workers": workers,
         "servers": [
-            {
-                "name": "inference",
-                "kind": "inference",
-                "workers": 1,
-                "config": {"token_delay_seconds": token_delay_seconds},
-            },
-            {"name": "model", "kind": "model", "config": {"inference_url": "{inference}", "tool_turns": tool_turns}},
-            {"name": "resources", "kind": resources},
+            {"name": "inference", "kind": "inference", "workers": 1, "config": inference},
+            {"name": "model", "kind": "model", "config": model},
+            resources_server,
             {
                 "name": "agent",
                 "kind": "agent",
@@ -83,11 +124,29 @@ def default_stack_spec(
     }
 
 
-def task_for(index: int) -> dict[str, Any]:
-    """The task of rollout ``index``: a prompt and the counter's tool."""
+def prompt_text(index: int, chars: int = 0) -> str:
+    """The prompt of task ``index``: ``"count for task <index>"``, padded to ``chars`` characters with
+    text derived from the index (each 64 characters a sha256 of it), so every run builds the same task."""
+    head = f"count for task {index}"
+    if chars <= len(head):
+        return head
+    parts = [head, "."]
+    size = len(head) + 1
+    block = 0
+    while size < chars:
+        digest = hashlib.sha256(f"task {index} block {block}".encode()).hexdigest()
+        words = " " + " ".join(digest[i : i + 8] for i in range(0, 64, 8))
+        parts.append(words)
+        size += len(words)
+        block += 1
+    return "".join(parts)[:chars]
+
+
+def task_for(index: int, *, prompt_chars: int = 0) -> dict[str, Any]:
+    """The task of rollout ``index``: a prompt (``prompt_chars`` long, at least its head) and the counter's tool."""
     return {
         "task_id": {"taskset": "counter-demo", "task_id": f"task-{index}"},
-        "task_input": {"prompt": f"count for task {index}", "tools": TOOLS},
+        "task_input": {"prompt": prompt_text(index, prompt_chars), "tools": TOOLS},
     }
 
 
@@ -310,6 +369,13 @@ class RolloutHarness:
         """Every generation the inference backend completed, in order."""
         async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
             return await transport.read_bounded_json(response, transport.data_reply_limit())  # type: ignore[no-any-return]
+
+    async def rollouts_by_turn(self) -> dict[str, int]:
+        """How many rollout attempts stand at each turn (``"1"``: first model call), as the inference backend counts."""
+        async with transport.request(self._client(), "GET", f"{self.urls['inference']}/turns") as response:
+            body = await transport.read_bounded_json(response, transport.data_reply_limit())
+        counts = body.get("rollouts_by_turn") if isinstance(body, dict) else None
+        return {str(name): int(count) for name, count in counts.items()} if isinstance(counts, dict) else {}
 
     async def reset_model_calls(self) -> None:
         # clearing twice leaves the log as clearing once: safe to send again

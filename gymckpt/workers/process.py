@@ -191,6 +191,7 @@ def install_worker(
         )
         plane = RemotePlane(link)
         participant.bind(plane)  # type: ignore[arg-type]  # what the participant asks of it, a RemotePlane has
+        participant.exempt_paths = participant.exempt_paths | frozenset(block.exempt_paths)
         if participant.middleware is not None:
             app.add_middleware(participant.middleware, participant=participant)
         app.add_middleware(RolloutPrefixMiddleware)
