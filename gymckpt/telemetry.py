@@ -238,6 +238,28 @@ def step(name: str, *, span_kind: SpanKind = SpanKind.INTERNAL, **values: Any) -
             parent.step_seconds[name] = parent.step_seconds.get(name, 0.0) + time.perf_counter() - began
 
 
+@contextmanager
+def collected_steps() -> Iterator[dict[str, float]]:
+    """The seconds of the steps run in the block, by name, for an operation whose line another
+    process logs (a server's coordinator runs the control call a worker's route logs)."""
+    op = Operation(trace.get_current_span(), "collected", {})
+    token = _current_operation.set(op)
+    try:
+        yield op.step_seconds
+    finally:
+        _current_operation.reset(token)
+
+
+def add_steps(step_seconds: object) -> None:
+    """Add steps timed elsewhere (:func:`collected_steps`) to the current operation's INFO line."""
+    parent = _current_operation.get()
+    if parent is None or not isinstance(step_seconds, dict):
+        return
+    for name, spent in step_seconds.items():
+        if isinstance(name, str) and isinstance(spent, (int, float)):
+            parent.step_seconds[name] = parent.step_seconds.get(name, 0.0) + float(spent)
+
+
 def volume(operation_name: str, *, kind: str, records: int, size_bytes: int | None) -> None:
     """Records and bytes written (commit) or read (restore)."""
     attributes = {OPERATION: operation_name, KIND: kind}

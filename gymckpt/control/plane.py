@@ -45,7 +45,7 @@ from gymckpt.errors import (
 )
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.store import WriteStop
-from gymckpt.store.codec import EncodedRecord
+from gymckpt.store.codec import EncodedRecord, EncodedRecords
 from gymckpt.store.layout import check_name
 
 if TYPE_CHECKING:
@@ -432,7 +432,11 @@ class ControlPlane(RestoreRoutes):
         reply = CommitReply(
             phase=Phase.COMMITTED,
             manifest=manifest.to_document(),
-            episode_ids=sorted(_episode_of(record) for record in records),
+            episode_ids=sorted(
+                records.episode_ids
+                if isinstance(records, EncodedRecords)
+                else (_episode_of(record) for record in records)
+            ),
             kind=participant.kind,
             instance=participant.instance,
             checkpoint_id=checkpoint.checkpoint_id,
@@ -451,7 +455,8 @@ class ControlPlane(RestoreRoutes):
 
     async def _export(self, scope: list[str] | None) -> list[dict[str, Any]]:
         with telemetry.step("export") as step:
-            records = list(await self.participant.export(scope))
+            exported = await self.participant.export(scope)
+            records = exported if isinstance(exported, EncodedRecords) else list(exported)  # streamed: kept as is
             step.set(records=len(records))
         return records
 

@@ -28,7 +28,7 @@ from gymckpt.errors import (
 from gymckpt.identity import capture_key, first_keys, split_capture_key
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable
+    from collections.abc import Awaitable, Iterator
 
     from gymckpt.control.marks import RetireMarks
     from gymckpt.control.models import RestoreRequest
@@ -160,18 +160,26 @@ class RestoreRoutes:
         participant = self.participant
         next_keys = {key: capture_key(*_next(key)) for key in scope}
         installed_scope = sorted(next_keys.values())
+        streamed = getattr(participant, "installs_streamed", False)  # it reads the records as it installs them
         try:
             try:
                 await participant.close_admission(checkpoint_id)
                 with telemetry.step("read") as step:
                     manifest, records = await asyncio.to_thread(
-                        _read_scope, store, participant.kind, participant.instance, set(scope), next_keys, expected
+                        _read_scope,
+                        store,
+                        participant.kind,
+                        participant.instance,
+                        set(scope),
+                        next_keys,
+                        expected,
+                        streamed=streamed,
                     )
-                    step.set(records=len(records), bytes=manifest.records_bytes)
+                    step.set(records=None if streamed else len(records), bytes=manifest.records_bytes)
+                with telemetry.step("install", records=None if streamed else len(records)):
+                    await self._install(records, installed_scope, manifest)
             finally:
                 await close_store(store)
-            with telemetry.step("install", records=len(records)):
-                await self._install(records, installed_scope, manifest)
             telemetry.volume("restore", kind=participant.kind, records=len(records), size_bytes=manifest.records_bytes)
         except BaseException:
             await self._fail_restore()
@@ -180,7 +188,11 @@ class RestoreRoutes:
         return RestoreReply(
             phase=Phase.RESTORED,
             source_checkpoint_id=manifest.checkpoint_id,
-            restored=sorted(str(record["episode_id"]) for record in records),
+            restored=sorted(
+                records.episode_ids
+                if isinstance(records, ScopeRecords)
+                else (str(record["episode_id"]) for record in records)
+            ),
         )
 
     async def _install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
@@ -206,6 +218,30 @@ def _next(key: str) -> tuple[str, int]:
     return rollout, attempt + 1
 
 
+class ScopeRecords:
+    """The scope's records for a participant that reads them as it installs them (``installs_streamed``,
+    a server's coordinator): each iteration reads and verifies the records file anew (off the
+    event loop), under the next attempt; :attr:`episode_ids` are those of the last whole pass."""
+
+    def __init__(self, store: CheckpointStore, manifest: Manifest, scope: set[str], next_keys: dict[str, str]) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.scope = scope
+        self.next_keys = next_keys
+        self.episode_ids: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.episode_ids)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        keys = []
+        for record in self.store.read_records(self.manifest, scope=self.scope):
+            record["episode_id"] = key = self.next_keys[record["episode_id"]]
+            keys.append(key)
+            yield record
+        self.episode_ids = keys
+
+
 def _read_scope(
     store: CheckpointStore,
     kind: str,
@@ -213,8 +249,11 @@ def _read_scope(
     scope: set[str],
     next_keys: dict[str, str],
     expected: tuple[str | None, str | None],
-) -> tuple[Manifest, list[dict[str, Any]]]:
-    """The manifest and the scope's records (verified in one pass), keyed by their next attempt.
+    *,
+    streamed: bool = False,
+) -> tuple[Manifest, list[dict[str, Any]] | ScopeRecords]:
+    """The manifest and the scope's records (verified in one pass), keyed by their next attempt
+    (``streamed``: read later, as the participant iterates them).
 
     The manifest must be the published one (:func:`~gymckpt.control.restore_source.expected_manifest`)
     before any record is read.
@@ -224,6 +263,8 @@ def _read_scope(
     manifest = store.read_manifest("", kind=kind, instance=instance)
     if wanted is not None:
         wanted.check(manifest)
+    if streamed:
+        return manifest, ScopeRecords(store, manifest, scope, next_keys)
     records = []
     for record in store.read_records(manifest, scope=scope):
         record["episode_id"] = next_keys[record["episode_id"]]

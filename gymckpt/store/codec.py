@@ -50,6 +50,7 @@ __all__ = [
     "ACCELERATED",
     "MAX_DEPTH",
     "EncodedRecord",
+    "EncodedRecords",
     "check_json",
     "decode_document",
     "decode_line",
@@ -324,6 +325,24 @@ class EncodedRecord(NamedTuple):
 
     episode_id: str
     line: bytes
+
+
+class EncodedRecords:
+    """Pre-encoded records a writer takes as they arrive (e.g. from a server's workers), never all at once.
+
+    :attr:`episode_ids` names them in order before any line is read; each iteration yields
+    their :class:`EncodedRecord` from the first on, anew (a retried write reads them again).
+    A caller that would otherwise list exported records keeps such an object as it is.
+    """
+
+    def __init__(self, episode_ids: list[str]) -> None:
+        self.episode_ids = episode_ids
+
+    def __len__(self) -> int:
+        return len(self.episode_ids)
+
+    def __iter__(self) -> Iterator[EncodedRecord]:
+        raise NotImplementedError
 
 
 def encoded(record: dict[str, Any]) -> EncodedRecord:

@@ -11,9 +11,14 @@ coordinator and starts N workers; :mod:`~gymckpt.workers.process` wires both sid
 - :mod:`~gymckpt.workers.messages`: the message kinds, their bodies and timeouts.
 - :mod:`~gymckpt.workers.coordinator`: :class:`~gymckpt.workers.coordinator.CoordinatedParticipant`,
   the participant the main process's control plane drives for N workers (merged, numbered
-  readiness reports; fail closed on a missing or lost worker; broadcasts; one records file on
-  commit; restored whole-episode records held and claimed; sessions placed), and the socket
-  server the workers connect to.
+  readiness reports; fail closed on a missing or lost worker; broadcasts; restored
+  whole-episode records held and claimed); its helpers in
+  :mod:`~gymckpt.workers.coordinator_fields`.
+- :mod:`~gymckpt.workers.coordinator_records`: its commit (one records file) and restore
+  (sessions placed), with the records streamed in bounded chunks
+  (:mod:`~gymckpt.workers.streams`, :mod:`~gymckpt.workers.scatter`): the coordinator never
+  holds a participant's records.
+- :mod:`~gymckpt.workers.worker_server`: the socket server the workers connect to.
 - :mod:`~gymckpt.workers.gather` and :mod:`~gymckpt.workers.placement`: the pure parts of
   commit and restore across workers.
 - :mod:`~gymckpt.workers.link`: a worker's side: registration, the handlers, reports, claims,

@@ -4,8 +4,8 @@
 :class:`~gymckpt.control.plane.ControlPlane` drives, unchanged: each participant call becomes
 a message to every connected worker (:mod:`gymckpt.workers.messages`), whose
 :class:`~gymckpt.workers.link.WorkerLink` applies it to the worker's own participant.
-:class:`WorkerServer` accepts the workers' connections on a Unix socket (0600) and runs
-their forwarded control calls on the plane (:func:`dispatch_control`).
+:class:`~gymckpt.workers.worker_server.WorkerServer` accepts the workers' connections on a
+Unix socket (0600) and runs their forwarded control calls on the plane.
 
 Readiness is the merge of the workers' numbered reports of the current *generation* (one
 per close): ready when every worker reported ready and none is missing. It fails closed:
@@ -39,6 +39,10 @@ owner's sessions on one live worker, owners spread evenly; every worker gets the
 tables (``aliases``: old owner → worker, ``placements``: restored session key → worker) with
 its install, and a worker that registers later gets them in its join state.
 
+Records move in bounded chunks both ways (:mod:`gymckpt.workers.streams`): a commit keeps
+each worker's lines as the encoded bytes the store writes, as they arrive; a restore sends
+each worker its share chunk by chunk and lets go of each record it sent.
+
 Commit adds to the manifest, besides the gathered ``session_owners`` and ``placed_sessions``,
 ``owner_aliases`` (old owner → the owner whose sessions it follows), so a chain of restores
 keeps every cookie ever stamped routable.
@@ -47,17 +51,13 @@ keeps every cookie ever stamped routable.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from gymckpt import telemetry
 from gymckpt.control.models import PrepareReport
 from gymckpt.control.participant import Participant
 from gymckpt.errors import (
@@ -65,26 +65,26 @@ from gymckpt.errors import (
     ControlError,
     CoordinatorUnavailable,
     GymckptError,
-    InvalidCheckpointState,
     InvalidRequest,
 )
 from gymckpt.identity import AttemptsUpTo
-from gymckpt.store.codec import EncodedRecord, encoded
+from gymckpt.store.codec import EncodedRecord, EncodedRecords, decode_line
 from gymckpt.workers import messages
-from gymckpt.workers.channel import Channel
-from gymckpt.workers.gather import ExportedRecord, WorkerExport, gather_exports
-from gymckpt.workers.messages import CONTROL_OPERATIONS, Message, deadline_timeout
-from gymckpt.workers.placement import is_routing_id, is_whole_episode, place_records
-from gymckpt.workers.runtime import process_runtime_dir, restrict_socket, socket_path
+from gymckpt.workers.coordinator_fields import (
+    string_list,
+)
+from gymckpt.workers.coordinator_records import RecordsAcrossWorkers
+from gymckpt.workers.messages import Message, deadline_timeout
+from gymckpt.workers.placement import is_whole_episode
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Awaitable, Callable, Mapping
 
-    from gymckpt.control.plane import ControlPlane
-    from gymckpt.store.manifest import Manifest
+    from gymckpt.workers.channel import Channel
     from gymckpt.workers.gather import Gathered
+    from gymckpt.workers.streams import LinePipe
 
-__all__ = ["ConnectedWorker", "CoordinatedParticipant", "WorkerServer", "dispatch_control"]
+__all__ = ["ConnectedWorker", "CoordinatedParticipant"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class ConnectedWorker:
     seq: int = 0
 
 
-class CoordinatedParticipant(Participant):
+class CoordinatedParticipant(RecordsAcrossWorkers, Participant):
     """The participant of a server whose work is spread over ``expected_workers`` worker processes."""
 
     def __init__(
@@ -134,8 +134,12 @@ class CoordinatedParticipant(Participant):
         #: each worker's readiness as it answered the last status while admission was open
         self._open_reports: dict[int, PrepareReport] = {}
         self._holds = holds if holds is not None else (lambda record: is_whole_episode(kind, record))
-        #: restored whole-episode records no worker has claimed yet, by key (decoded, and encoded once)
-        self.held: dict[str, tuple[dict[str, Any], EncodedRecord]] = {}
+        #: restored whole-episode records no worker has claimed yet, by key (encoded once; decoded for a claim)
+        self.held: dict[str, EncodedRecord] = {}
+        self._streams = itertools.count(1)
+        #: the worker sending the lines of a running write: its stream and the pipe to the writer
+        self._pipes: dict[int, tuple[int, LinePipe]] = {}
+        self._reply_extra: dict[str, Any] = {}
         #: the routing tables of the last restore: old owner → routing id, restored session key → routing id
         self.aliases: dict[str, str] = {}
         self.placements: dict[str, str] = {}
@@ -184,7 +188,7 @@ class CoordinatedParticipant(Participant):
         entry = self.held.pop(key, None)
         if entry is not None:
             logger.debug("%s worker %d claimed restored episode %s", self.kind, index, key)
-        return {"record": None if entry is None else entry[0]}
+        return {"record": None if entry is None else decode_line(entry.line)}
 
     def _routes(self) -> dict[str, dict[str, str]]:
         return {"aliases": dict(self.aliases), "placements": dict(self.placements)}
@@ -239,11 +243,30 @@ class CoordinatedParticipant(Participant):
         A worker whose connection ended meanwhile is skipped (it is gone; the lost blocker and
         the join state cover it) unless ``lost_fails``: an export or install needs every one.
         """
-        targets = [self.workers[index] for index in sorted(bodies) if index in self.workers]
-        results = await asyncio.gather(
-            *(worker.channel.request(kind, bodies[worker.index], timeout=timeout) for worker in targets),
-            return_exceptions=True,
+        return await self._run_each(
+            sorted(bodies),
+            kind,
+            lambda worker: worker.channel.request(kind, bodies[worker.index], timeout=timeout),
+            lost_fails=lost_fails,
         )
+
+    async def _run_each(
+        self,
+        indexes: list[int],
+        kind: str,
+        run: Callable[[ConnectedWorker], Awaitable[Any]],
+        *,
+        lost_fails: bool = False,
+    ) -> dict[int, Any]:
+        """``run`` for each of these workers at once; their results by index (failures as in :meth:`_call_each`)."""
+        if lost_fails:
+            missing = [index for index in indexes if index not in self.workers]
+            if missing:
+                raise CoordinatorUnavailable(
+                    f"{self._who(missing[0])} left before {kind}; retry once every worker is connected"
+                )
+        targets = [self.workers[index] for index in indexes if index in self.workers]
+        results = await asyncio.gather(*(run(worker) for worker in targets), return_exceptions=True)
         replies: dict[int, Any] = {}
         failure: GymckptError | None = None
         for worker, result in zip(targets, results, strict=True):
@@ -369,17 +392,13 @@ class CoordinatedParticipant(Participant):
 
     # --- commit
 
-    async def export(self, scope: list[str] | None) -> list[EncodedRecord]:
-        """Every worker's records, gathered (one copy per episode); a worker that fails fails the export."""
-        replies = await self._broadcast(Message.EXPORT, {"episode_ids": scope}, timeout=None, lost_fails=True)
-        exports = {index: _worker_export(reply, self._who(index)) for index, reply in replies.items()}
-        self._reply_extra = _merged_reply_extra(replies)
-        held = [entry[1] for entry in self.held.values()]
-        self._gathered = gather_exports(exports, held=held, scope=scope, placements=self.placements)
-        return list(self._gathered.records)
-
-    async def park_exported(self, records: list[Any]) -> None:
-        ids = [record.episode_id if isinstance(record, EncodedRecord) else record["episode_id"] for record in records]
+    async def park_exported(self, records: Any) -> None:
+        if isinstance(records, EncodedRecords):
+            ids = list(records.episode_ids)
+        else:
+            ids = [
+                record.episode_id if isinstance(record, EncodedRecord) else record["episode_id"] for record in records
+            ]
         await self._broadcast(Message.PARK, {"episode_ids": ids}, timeout=self._bounded_timeout())
 
     def commit_reply_extra(self) -> dict[str, Any]:
@@ -431,47 +450,9 @@ class CoordinatedParticipant(Participant):
         replies = await self._broadcast(Message.LIVE_WORK, {}, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
         found: set[str] = set()
         for index, reply in replies.items():
-            found.update(_string_list(reply, "episode_ids", self._who(index)))
+            found.update(string_list(reply, "episode_ids", self._who(index)))
         found.update(self.held)
         return sorted(found)
-
-    async def install(self, records: list[dict[str, Any]], scope: list[str], manifest: Manifest) -> None:
-        """Hold the whole-episode records, place the sessions, and send every worker its share and the tables."""
-        await self._until_every_worker_joined()
-        extra = manifest.extra if manifest is not None else {}
-        sessions = [record for record in records if not self._holds(record)]
-        placement = place_records(
-            [_with_session_id(record) for record in sessions],
-            {index: worker.routing_id for index, worker in self.workers.items()},
-            session_owners=extra.get("session_owners") or (),
-            placed_sessions=extra.get("placed_sessions") or (),
-        )
-        routing = {index: worker.routing_id for index, worker in self.workers.items()}
-        aliases = dict(placement.aliases)
-        owner_aliases = _owner_aliases(extra.get("owner_aliases"))
-        for old, current in owner_aliases.items():
-            if current in aliases:
-                aliases[old] = aliases[current]
-        placements = dict(placement.placements)
-        for index, share in placement.records.items():
-            routing_id = routing.get(index)
-            if routing_id:
-                placements.update((record["episode_id"], routing_id) for record in share)
-        self.held = {record["episode_id"]: (record, encoded(record)) for record in records if self._holds(record)}
-        self.aliases, self.placements = aliases, placements
-        self.owner_aliases = {old: new for old, new in aliases.items() if old != new}
-        base = {
-            "scope": list(scope),
-            "manifest": _manifest_body(manifest),
-            "marks": self.fence.snapshot(),
-            "routes": self._routes(),
-            "holding": bool(self.held),
-        }
-        bodies = {
-            index: {**base, "records": [_without_session_id(r) for r in share]}
-            for index, share in placement.records.items()
-        }
-        await self._call_each(bodies, Message.INSTALL, timeout=None, lost_fails=True)
 
     async def _until_every_worker_joined(self) -> None:
         """Wait (within the control call's deadline) until ``expected_workers`` are connected; else refuse.
@@ -506,53 +487,6 @@ class CoordinatedParticipant(Participant):
         }
 
 
-def _merged_reply_extra(replies: Mapping[int, Any]) -> dict[str, Any]:
-    """Every worker's ``reply_extra`` merged: lists joined (strings: sorted, once each), maps merged key by
-    key the same way (``staging_keys_by_episode``), any other field the first worker's."""
-    merged: dict[str, Any] = {}
-    for index in sorted(replies):
-        extra = replies[index].get("reply_extra") if isinstance(replies[index], dict) else None
-        for name, value in (extra if isinstance(extra, dict) else {}).items():
-            merged[name] = _merge_value(merged[name], value) if name in merged else value
-    return {name: _tidy(value) for name, value in merged.items()}
-
-
-def _merge_value(old: Any, new: Any) -> Any:
-    if isinstance(old, list) and isinstance(new, list):
-        return [*old, *new]
-    if isinstance(old, dict) and isinstance(new, dict):
-        return {**old, **{key: _merge_value(old[key], value) if key in old else value for key, value in new.items()}}
-    return old
-
-
-def _tidy(value: Any) -> Any:
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return sorted(set(value))
-    if isinstance(value, dict):
-        return {key: _tidy(item) for key, item in sorted(value.items())}
-    return value
-
-
-def _with_session_id(record: dict[str, Any]) -> dict[str, Any]:
-    """A session record as placement groups it: gymckpt's sessions are keyed by their capture key."""
-    if record.get("owner") is None and "session_id" not in record:
-        return {**record, "session_id": record["episode_id"]}
-    return record
-
-
-def _without_session_id(record: dict[str, Any]) -> dict[str, Any]:
-    if record.get("session_id") == record.get("episode_id"):
-        return {name: value for name, value in record.items() if name != "session_id"}
-    return record
-
-
-def _owner_aliases(value: object) -> dict[str, str]:
-    """The manifest's ``owner_aliases``: routing id pairs only (anything else is ignored, never routed)."""
-    if not isinstance(value, dict):
-        return {}
-    return {old: new for old, new in value.items() if is_routing_id(old) and is_routing_id(new)}
-
-
 def _keep(worker: ConnectedWorker, seq: int, report: PrepareReport) -> bool:
     """Take ``report`` if it is newer than the worker's last one; True if taken."""
     if seq <= worker.seq:
@@ -580,127 +514,3 @@ def _close_reply_report(body: object) -> tuple[int, PrepareReport]:
         return seq, PrepareReport.model_validate(fields.get("report"))
     except ValidationError as exc:
         raise InvalidRequest(f"a malformed report: {exc}") from exc
-
-
-def _string_list(reply: object, name: str, who: str) -> list[str]:
-    values = reply.get(name) if isinstance(reply, dict) else None
-    if not isinstance(values, list) or not all(isinstance(value, str) for value in values):
-        raise InvalidCheckpointState(f"{who} replied without a list of strings {name!r}")
-    return values
-
-
-def _worker_export(reply: object, who: str) -> WorkerExport:
-    """A worker's export reply as pre-encoded records: ``[episode_id, line]`` pairs."""
-    lines = reply.get("records") if isinstance(reply, dict) else None
-    if not isinstance(lines, list):
-        raise InvalidCheckpointState(f"{who} replied to export without a records list")
-    records = []
-    for item in lines:
-        if not (
-            isinstance(item, list)
-            and len(item) in (2, 3)
-            and isinstance(item[0], str)
-            and isinstance(item[1], str)
-            and (len(item) == 2 or item[2] is None or is_routing_id(item[2]))
-        ):
-            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, line, owner] triple")
-        owner = item[2] if len(item) == 3 else None
-        records.append(ExportedRecord(EncodedRecord(item[0], item[1].encode("utf-8")), owner=owner))
-    return WorkerExport(records)
-
-
-def _manifest_body(manifest: Manifest | None) -> dict[str, str] | None:
-    """The manifest as its stored bytes (a worker parses them again), or None."""
-    if manifest is None or not manifest.raw:
-        return None
-    try:
-        return {"path": manifest.path, "raw": manifest.raw.decode("utf-8")}
-    except UnicodeDecodeError:
-        return None
-
-
-async def dispatch_control(plane: ControlPlane, operation: object, payload: object) -> Any:
-    """Run one forwarded control call on ``plane``; its reply as JSON (errors raise as they are)."""
-    spec = CONTROL_OPERATIONS.get(operation) if isinstance(operation, str) else None
-    if spec is None:
-        raise InvalidRequest(f"no control operation {operation!r}")
-    if spec.request is None:
-        if isinstance(plane.participant, CoordinatedParticipant):
-            await plane.participant.refresh_status()
-        return plane.status().model_dump(mode="json")
-    try:
-        request = spec.request.model_validate(payload)
-    except ValidationError as exc:
-        raise InvalidRequest(f"{operation}: {exc}"[:2000]) from exc
-    participant = plane.participant
-    if isinstance(participant, CoordinatedParticipant):
-        participant.note_deadline(request.deadline_ts)
-    reply = await getattr(plane, str(operation))(request)
-    return reply.model_dump(mode="json")
-
-
-class WorkerServer:
-    """Accepts a server's worker connections on a Unix socket, on the event loop :meth:`start` runs on.
-
-    ``path`` defaults to a fresh socket in this process's runtime directory, named after the kind.
-    """
-
-    def __init__(self, plane: ControlPlane, *, path: Path | str | None = None) -> None:
-        if not isinstance(plane.participant, CoordinatedParticipant):
-            raise TypeError("a WorkerServer serves the plane of a CoordinatedParticipant")
-        self.plane = plane
-        self.participant: CoordinatedParticipant = plane.participant
-        self.path = None if path is None else Path(path)
-        self._server: asyncio.AbstractServer | None = None
-        self._indexes = itertools.count(1)
-        self._channels: dict[int, Channel] = {}
-        self._connections: set[asyncio.Task[Any]] = set()
-
-    async def start(self) -> Path:
-        """Listen (the socket is made 0600 at once); returns its path."""
-        if self._server is not None:
-            raise RuntimeError("this WorkerServer was started already")
-        if self.path is None:
-            self.path = socket_path(process_runtime_dir().path, self.participant.kind)
-        self._server = await asyncio.start_unix_server(self._connected, path=os.fspath(self.path))
-        restrict_socket(self.path)
-        return self.path
-
-    async def close(self) -> None:
-        """Stop listening and end every worker's connection (each worker then takes its coordinator as lost)."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        server.close()
-        await asyncio.gather(*(channel.close() for channel in list(self._channels.values())), return_exceptions=True)
-        await asyncio.gather(*self._connections, return_exceptions=True)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(server.wait_closed(), messages.MESSAGE_TIMEOUT_SECONDS)
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
-
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        index = next(self._indexes)
-        participant = self.participant
-        channel = Channel(reader, writer, name=f"{participant.kind} worker {index}")
-        channel.handle_immediately(Message.REGISTER, lambda body: participant.register(index, channel, body))
-        channel.handle_immediately(Message.REPORT, lambda body: participant.receive_report(index, body))
-        channel.handle_immediately(Message.CLAIM, lambda body: participant.claim(index, body))
-        channel.handle(Message.CONTROL, self._control)
-        task = asyncio.current_task()
-        if task is not None:
-            self._connections.add(task)
-        self._channels[index] = channel
-        channel.start()
-        try:
-            await channel.closed.wait()
-        finally:
-            self._channels.pop(index, None)
-            participant.leave(index)
-            if task is not None:
-                self._connections.discard(task)
-
-    async def _control(self, body: object) -> Any:
-        fields = body if isinstance(body, dict) else {}
-        with telemetry.continued(fields.get("trace")):  # the worker's SERVER span: the plane's steps join its trace
-            return await dispatch_control(self.plane, fields.get("operation"), fields.get("body"))

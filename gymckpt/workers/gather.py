@@ -1,7 +1,9 @@
-"""Commit across workers: every worker's exported lines into one records list (pure).
+"""Commit across workers: every worker's exported records into one records list (pure).
 
-Lines arrive pre-encoded (:class:`~gymckpt.store.codec.EncodedRecord`) and leave as the
-same objects: nothing is decoded or encoded again. Two rules keep one copy of each state:
+Records are anything with an ``episode_id`` (a worker's record named before its line moves,
+:class:`~gymckpt.workers.streams.LineRef`, or a pre-encoded
+:class:`~gymckpt.store.codec.EncodedRecord`) and leave as the same objects: nothing is
+decoded or encoded. Two rules keep one copy of each state:
 
 - **One copy per session.** A restored session can be seeded again on another worker, so
   copies are grouped by ``session_id`` (records without one belong to their worker alone and
@@ -20,22 +22,27 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Hashable, Mapping, Sequence, Set
 
-    from gymckpt.store.codec import EncodedRecord
-
-__all__ = ["ExportedRecord", "Gathered", "WorkerExport", "gather_exports"]
+__all__ = ["ExportedRecord", "Gathered", "Keyed", "WorkerExport", "gather_exports"]
 
 logger = logging.getLogger(__name__)
 
 
-class ExportedRecord(NamedTuple):
-    """One exported line and the routing facts the coordinator needs without decoding it."""
+class Keyed(Protocol):
+    """A record as gathering sees it: its capture key."""
 
-    record: EncodedRecord
+    @property
+    def episode_id(self) -> str: ...
+
+
+class ExportedRecord(NamedTuple):
+    """One exported record and the routing facts the coordinator needs without decoding it."""
+
+    record: Keyed
     session_id: str | None = None
     owner: str | None = None
 
@@ -56,7 +63,7 @@ class WorkerExport:
 class Gathered:
     """What a commit across workers stores, and the stale copies to delete on their workers."""
 
-    records: tuple[EncodedRecord, ...]
+    records: tuple[Keyed, ...]
     #: (worker index, session id) of each stale unclaimed copy, in gathering order
     delete_unclaimed: tuple[tuple[int, str], ...]
     session_owners: tuple[str, ...]
@@ -76,7 +83,7 @@ class _Copy(NamedTuple):
 def gather_exports(
     exports: Mapping[int, WorkerExport],
     *,
-    held: Sequence[EncodedRecord] = (),
+    held: Sequence[Keyed] = (),
     scope: Collection[str] | None = None,
     placements: Mapping[str, str] | Collection[str] = (),
 ) -> Gathered:

@@ -10,7 +10,9 @@ worker's share of the work) and connects it to the coordinator in the main proce
   worker closes at once and reports;
 - it answers the coordinator's messages (:mod:`gymckpt.workers.messages`) by calling its
   participant; ``export`` re-checks readiness first and sends each record encoded once
-  (:func:`gymckpt.store.codec.encoded`) as text;
+  (:func:`gymckpt.store.codec.encoded`) as text, in chunks that each wait for their answer;
+  ``install_chunk`` keeps a restore's records (decoded) until ``install`` installs them
+  (:mod:`gymckpt.workers.streams`);
 - while closed it pushes numbered reports (``report {generation, seq, report}``) when the
   participant's readiness listener fires (one sender task coalesces bursts) and re-checks
   every :data:`~gymckpt.workers.messages.REPORT_POLL_SECONDS`, since some changes notify
@@ -47,15 +49,14 @@ from typing import TYPE_CHECKING, Any
 from gymckpt.control.plane import readiness_report
 from gymckpt.errors import CoordinatorUnavailable, GymckptError, InvalidPhase, InvalidRequest, RetireIncomplete
 from gymckpt.identity import AttemptsUpTo, first_keys
-from gymckpt.store.codec import encoded
 from gymckpt.store.manifest import Manifest
 from gymckpt.workers import messages
 from gymckpt.workers.channel import Channel
 from gymckpt.workers.messages import Message
-from gymckpt.workers.placement import is_whole_episode
+from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, owner_of
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable
 
     from gymckpt.control.models import PrepareReport
     from gymckpt.control.participant import Participant
@@ -76,18 +77,6 @@ def terminate_this_worker() -> None:
 def local_report(participant: Participant) -> PrepareReport:
     """The participant's readiness as a prepare report (what the control plane would reply)."""
     return readiness_report(participant)
-
-
-def _encode_lines(records: Iterable[dict[str, Any]], kind: str, owner: str | None) -> list[list[str | None]]:
-    """Each record encoded once: ``[episode_id, line, owner]`` (the line is UTF-8 JSON, so it travels
-    as text; ``owner`` is set on session records, which carry it in the line too)."""
-    lines: list[list[str | None]] = []
-    for record in records:
-        session_owner = None if is_whole_episode(kind, record) else owner
-        stamped = record if session_owner is None else {**record, "owner": session_owner}
-        episode_id, line = encoded(stamped)
-        lines.append([episode_id, line.decode("utf-8"), session_owner])
-    return lines
 
 
 def _field(body: object, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -138,6 +127,10 @@ class WorkerLink:
         self._retiring: dict[int, AttemptsUpTo] = {}
         self._retire_ids = itertools.count()
         self._exported: list[dict[str, Any]] = []
+        #: the stream number of the export ``_exported`` holds (None: none since admission opened)
+        self._export_stream: int | None = None
+        #: the records of the restore stream being received, until ``install``
+        self._staging = InstallStaging()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_routes = on_routes
         #: whether the coordinator holds restored whole-episode records (then a new episode claims first)
@@ -235,6 +228,7 @@ class WorkerLink:
             Message.CHECK_FORGET: self._on_check_forget,
             Message.FORGET: self._on_forget,
             Message.EXPORT: self._on_export,
+            Message.SEND_RECORDS: self._on_send_records,
             Message.INSTALL: self._on_install,
             Message.LIVE_WORK: self._on_live_work,
             Message.PARK: self._on_park,
@@ -244,6 +238,7 @@ class WorkerLink:
         }
         for kind, handler in handlers.items():
             channel.handle(kind, handler)
+        channel.handle_immediately(Message.INSTALL_CHUNK, self._on_install_chunk)
 
     # --- claims and routes
 
@@ -301,7 +296,8 @@ class WorkerLink:
     async def _open_locally(self) -> None:
         self.accepting = True
         self._last_sent = None
-        self._exported = []
+        self._exported, self._export_stream = [], None
+        self._staging.drop()  # an unfinished restore stream (a failed restore reopens admission)
         self._stop_polling()
         await self.participant.open_admission()
 
@@ -412,10 +408,37 @@ class WorkerLink:
         scope = body.get("episode_ids") if isinstance(body, dict) else None
         if scope is not None:
             scope = _keys(body, "episode_ids")
+        stream = _field(body, "stream", int)
         records = list(await participant.export(scope))
-        self._exported = records
-        lines = await asyncio.to_thread(_encode_lines, records, participant.kind, self.routing_id)
-        return {"records": lines, "reply_extra": participant.commit_reply_extra()}
+        self._exported, self._export_stream = records, stream
+        owner, kind = self.routing_id, participant.kind
+        named = [[record.get("episode_id"), owner_of(kind, record, owner)] for record in records]
+        return {"records": named, "reply_extra": participant.commit_reply_extra()}
+
+    async def _on_send_records(self, body: object) -> dict[str, Any]:
+        """The lines of the last export but ``skip``, in chunks (each waits for its answer), then their count."""
+        export = _field(body, "export", int)
+        stream = _field(body, "stream", int)
+        skip = frozenset(_field(body, "skip", list))
+        if export != self._export_stream:
+            raise InvalidPhase(f"this worker's last export is {self._export_stream}, not {export}: prepare again")
+        records, kind = self._exported, self.participant.kind
+        start = sent = 0
+        while start < len(records):
+            channel = self.channel
+            if channel is None:
+                raise CoordinatorUnavailable(f"this {kind} worker lost its checkpoint coordinator")
+            lines, start = await asyncio.to_thread(
+                encode_export_chunk, records, start, kind, self.routing_id, CHUNK_BYTES, skip
+            )
+            if not lines:
+                continue
+            sent += len(lines)
+            chunk = {"stream": stream, "records": lines}
+            del lines
+            await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
+            del chunk
+        return {"count": sent}
 
     async def _on_park(self, body: object) -> dict[str, Any]:
         wanted = set(_keys(body, "episode_ids"))
@@ -431,9 +454,13 @@ class WorkerLink:
     async def _on_live_work(self, body: object) -> dict[str, Any]:
         return {"episode_ids": sorted(self.participant.live_work())}
 
+    def _on_install_chunk(self, body: object) -> dict[str, Any]:
+        self._staging.take(body)
+        return {}
+
     async def _on_install(self, body: object) -> dict[str, Any]:
         participant = self.participant
-        records = _field(body, "records", list)
+        records = self._staging.finish(_field(body, "stream", int), _field(body, "count", int))
         scope = _keys(body, "scope")
         participant.fence.update(_field(body, "marks", dict))
         self._take_routes(body)

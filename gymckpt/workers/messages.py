@@ -16,8 +16,14 @@ Worker → coordinator:
   to exactly one claimer; refused with ``checkpoint_parked`` while a checkpoint is open.
 - ``report {generation, seq, report}`` → ``{kept}``: kept only for the current generation,
   while closed, and with a ``seq`` above the worker's last one.
-- ``control {operation, body}`` (a control route's request, :data:`CONTROL_OPERATIONS`) →
-  the control reply as JSON, or its error.
+- ``control {operation, body, trace}`` (a control route's request, :data:`CONTROL_OPERATIONS`) →
+  ``{reply, steps}``: the control reply as JSON (or its error) and the seconds of the plane's
+  steps by name, which the worker's route logs as a single-process server logs its own.
+- ``export_chunk {stream, records: [[episode_id, line, owner], …]}`` → ``{}``: the next chunk of
+  the lines ``send_records`` asked for (about :data:`~gymckpt.workers.streams.CHUNK_BYTES`),
+  answered once the store's writer took it; the next is sent after the answer. Each record is
+  encoded once (:func:`gymckpt.store.codec.encoded`), its line as text, ``owner`` as in the
+  export reply. Refused once that write no longer reads.
 
 Coordinator → worker (each replies ``{}`` unless noted):
 
@@ -28,13 +34,20 @@ Coordinator → worker (each replies ``{}`` unless noted):
 - ``retire {episode_ids}``: stop and free them (sent after ``mark``).
 - ``check_forget {rollout_ids}``: ``{}``, or a refusal such as ``retire_incomplete``.
 - ``forget {rollout_ids}``.
-- ``export {episode_ids | null}`` → ``{records: [[episode_id, line, owner], …]}``: each record
-  encoded once (:func:`gymckpt.store.codec.encoded`), its line as text, ``owner`` the
-  worker's routing id for a session record (null otherwise); refused with
-  ``invalid_phase`` by a worker no longer ready.
-- ``install {records, scope, manifest, marks, routes, holding}``: ``manifest`` is ``{path, raw}``
-  (the stored bytes as text) or null, ``marks`` the fence's snapshot (the restore's marks),
-  ``routes`` and ``holding`` as in the join state.
+- ``export {episode_ids | null, stream}`` → ``{records: [[episode_id, owner], …], reply_extra}``:
+  the worker exports (and keeps what it exported) and names each record, ``owner`` its routing
+  id for a session record (null otherwise); no state moves. Refused with ``invalid_phase`` by a
+  worker no longer ready.
+- ``send_records {export, stream, skip}`` → ``{count}``: the lines of the records export
+  ``export`` named, but those at a position in ``skip``, as ``export_chunk`` messages of
+  ``stream`` before the reply, ``count`` of them in all (sent while the store writes them;
+  again for a retried write).
+- ``install_chunk {stream, records: [line, …]}``: the next chunk of this worker's share of a
+  restore, each record's line as text; kept (decoded) until ``install`` names the stream.
+- ``install {stream, count, scope, manifest, marks, routes, holding}``: install the ``count``
+  records of ``stream``, all at once; ``manifest`` is ``{path, raw}`` (the stored bytes as text)
+  or null, ``marks`` the fence's snapshot (the restore's marks), ``routes`` and ``holding`` as
+  in the join state.
 - ``routes {aliases, placements}``: replace the worker's routing tables.
 - ``status {}`` → ``{report}``: the worker's readiness now (asked for a status reply while
   admission is open, when no numbered reports are taken).
@@ -44,8 +57,10 @@ Coordinator → worker (each replies ``{}`` unless noted):
 
 Timeouts: :data:`MESSAGE_TIMEOUT_SECONDS` for the fast messages; a message that does work
 bounded by a control call's deadline waits ``max(0, deadline_ts - now)`` plus
-:data:`REPLY_GRACE_SECONDS` (:func:`deadline_timeout`); ``export`` and ``install`` wait as
-long as the control plane does (its deadline ends the caller's wait, a resume the export).
+:data:`REPLY_GRACE_SECONDS` (:func:`deadline_timeout`); ``export``, ``send_records``,
+``install_chunk`` and ``install`` wait as long as the control plane does (its deadline ends
+the caller's wait, a resume the export); an ``export_chunk`` waits
+:data:`MESSAGE_TIMEOUT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -102,6 +117,7 @@ class Message:
     REPORT: Final = "report"
     CONTROL: Final = "control"
     CLAIM: Final = "claim"
+    EXPORT_CHUNK: Final = "export_chunk"
     # coordinator → worker
     CLOSE: Final = "close"
     OPEN: Final = "open"
@@ -112,13 +128,15 @@ class Message:
     STATUS: Final = "status"
     FORGET: Final = "forget"
     EXPORT: Final = "export"
+    SEND_RECORDS: Final = "send_records"
     INSTALL: Final = "install"
+    INSTALL_CHUNK: Final = "install_chunk"
     LIVE_WORK: Final = "live_work"
     PARK: Final = "park"
     DELETE_RESTORED: Final = "delete_restored"
 
 
-FROM_WORKER = frozenset({Message.REGISTER, Message.REPORT, Message.CONTROL, Message.CLAIM})
+FROM_WORKER = frozenset({Message.REGISTER, Message.REPORT, Message.CONTROL, Message.CLAIM, Message.EXPORT_CHUNK})
 TO_WORKER = frozenset(
     {
         Message.CLOSE,
@@ -130,7 +148,9 @@ TO_WORKER = frozenset(
         Message.STATUS,
         Message.FORGET,
         Message.EXPORT,
+        Message.SEND_RECORDS,
         Message.INSTALL,
+        Message.INSTALL_CHUNK,
         Message.LIVE_WORK,
         Message.PARK,
         Message.DELETE_RESTORED,

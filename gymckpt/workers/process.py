@@ -4,7 +4,7 @@ thread, and what each worker process installs into its app.
 The main process (``gymckpt serve KIND --workers N`` or ``--app MODULE:ATTR``) runs :class:`CoordinatorThread`: an
 event loop of its own holding the server's one control plane, its
 :class:`~gymckpt.workers.coordinator.CoordinatedParticipant` and the
-:class:`~gymckpt.workers.coordinator.WorkerServer` its workers connect to, while uvicorn's
+:class:`~gymckpt.workers.worker_server.WorkerServer` its workers connect to, while uvicorn's
 supervisor runs in the main thread. It tells its workers where to connect through
 :data:`ENV_SOCKET`, :data:`ENV_RUNTIME` (the runtime directory, which also holds the
 routing secret and every worker's private socket) and :data:`ENV_WORKERS`.
@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 from gymckpt.control.routes import install_control
 from gymckpt.participants.install import create_control_plane
 from gymckpt.participants.rollout import RolloutPrefixMiddleware
-from gymckpt.workers.coordinator import CoordinatedParticipant, WorkerServer
+from gymckpt.workers.coordinator import CoordinatedParticipant
 from gymckpt.workers.link import WorkerLink
 from gymckpt.workers.remote_plane import RemotePlane
 from gymckpt.workers.routing import RoutingTables, SessionRouter, SessionSigner, derive_secret, serve_private_socket
 from gymckpt.workers.runtime import process_runtime_dir
+from gymckpt.workers.worker_server import WorkerServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

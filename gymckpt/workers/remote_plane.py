@@ -4,9 +4,10 @@
 :class:`~gymckpt.control.plane.ControlPlane` (``status`` is awaitable here). Each forwards
 its request to the coordinator as ``control {operation, body}`` and returns the reply as
 the same reply model the plane returns, so a control call on any worker gets the reply a
-single-process server would give. Errors come back typed, with their status and code (the
-channel raises them as their class); a worker without its coordinator answers 503
-``checkpoint_coordinator_unavailable``.
+single-process server would give; the seconds of the plane's steps (``export``, ``write``,
+``read``, ``install``, …) that come with it join this route's log line. Errors come back
+typed, with their status and code (the channel raises them as their class); a worker
+without its coordinator answers 503 ``checkpoint_coordinator_unavailable``.
 
 A call waits ``max(0, deadline_ts - now)`` plus
 :data:`~gymckpt.workers.messages.REPLY_GRACE_SECONDS` for its reply; ``status``, which has
@@ -99,7 +100,9 @@ class RemotePlane:
             {"operation": operation, "body": body, "trace": telemetry.inject({})},  # the coordinator continues it
             timeout=deadline_timeout(deadline_ts, clock=self.clock),
         )
+        fields = reply if isinstance(reply, dict) else {}
+        telemetry.add_steps(fields.get("steps"))  # the plane's steps, on this route's log line
         try:
-            return reply_model.model_validate(reply)
+            return reply_model.model_validate(fields.get("reply"))
         except ValidationError as exc:
             raise ControlError(f"the coordinator's reply to {operation} is malformed: {exc}"[:2000]) from exc

@@ -21,10 +21,11 @@ from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import CONTROL_PREFIX, install_control
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.testing.time import bounded, until
-from gymckpt.workers.coordinator import CoordinatedParticipant, WorkerServer
+from gymckpt.workers.coordinator import CoordinatedParticipant
 from gymckpt.workers.link import WorkerLink
 from gymckpt.workers.remote_plane import RemotePlane
 from gymckpt.workers.runtime import socket_path
+from gymckpt.workers.worker_server import WorkerServer
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

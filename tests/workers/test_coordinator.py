@@ -7,6 +7,7 @@ over a real Unix socket to the coordinator's plane.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -307,9 +308,13 @@ async def test_export_gathers_every_workers_lines_encoded_once_into_one_records_
     async with cluster(tmp_path, 2) as running:
         expected = await _prepared_with_records(running)
         records = await bounded(running.coordinator.export(None))
-        assert {record.episode_id: record.line for record in records} == expected
+        with pytest.raises(RuntimeError, match="thread of their own"):
+            list(records)  # on the event loop the workers could never send them
+        read = await bounded(asyncio.to_thread(lambda: {record.episode_id: record.line for record in records}))
+        assert read == expected
         store = open_store(str(tmp_path / "ck"))
-        store.write_participant(
+        write = functools.partial(
+            store.write_participant,
             "",
             kind=KIND,
             instance=INSTANCE,
@@ -317,6 +322,7 @@ async def test_export_gathers_every_workers_lines_encoded_once_into_one_records_
             records=records,
             extra=running.coordinator.manifest_extra(),
         )
+        await bounded(asyncio.to_thread(write))  # a second read of the same lines, as a retried write does
     manifest, lines = _lines_of(tmp_path / "ck")
     assert lines == expected
     assert manifest.record_count == 2
@@ -563,7 +569,7 @@ async def test_restore_refuses_when_any_worker_already_serves_work(tmp_path: Pat
 
 
 def test_the_workers_commit_reply_extras_are_merged_lists_joined() -> None:
-    from gymckpt.workers.coordinator import _merged_reply_extra
+    from gymckpt.workers.coordinator_fields import merged_reply_extra as _merged_reply_extra
 
     replies = {
         2: {"records": [], "reply_extra": {"staging_keys": ["k3", "k1"], "note": "second"}},

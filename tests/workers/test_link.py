@@ -14,11 +14,12 @@ from gymckpt.control.plane import ControlPlane
 from gymckpt.errors import ControlError, CoordinatorUnavailable, RetireIncomplete
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.testing.time import bounded, drain, until
-from gymckpt.workers.coordinator import CoordinatedParticipant, WorkerServer
+from gymckpt.workers.coordinator import CoordinatedParticipant
 from gymckpt.workers.link import WorkerLink, terminate_this_worker
 from gymckpt.workers.messages import Message
 from gymckpt.workers.remote_plane import RemotePlane
 from gymckpt.workers.runtime import socket_path
+from gymckpt.workers.worker_server import WorkerServer
 
 from ..support import error_code
 from .cluster import INSTANCE, KIND, call, client_of, cluster, control_app, request

@@ -1,0 +1,295 @@
+"""Records between a server's coordinator and its workers in bounded chunks (commit's gather, restore's scatter).
+
+Commit: a worker's ``export`` reply names its records (``[episode_id, owner]``, no state),
+so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line moves. The
+store's writer then iterates :class:`GatheredLines` on its own thread: for each worker in
+turn the coordinator asks for the kept records (``send_records``), the worker encodes them
+(each once, :func:`gymckpt.store.codec.encoded`) into chunks of about :data:`CHUNK_BYTES`
+(:func:`encode_export_chunk`) and sends each as ``export_chunk``, and each chunk is answered
+once the writer takes it (:class:`LinePipe`): the coordinator holds a chunk or two, never the
+records, and a worker holds one chunk beside its live state.
+
+Restore: the coordinator sends each worker its share as it reads the records file
+(``install_chunk``, :mod:`gymckpt.workers.scatter`). A worker decodes each line and keeps the
+records of the current stream (:class:`InstallStaging`) until ``install`` names the stream
+and the count, then installs them all at once (all or none). A stream that is not completed
+(a failed restore) is dropped by the next stream or by reopening admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, InvalidRequest
+from gymckpt.store.codec import EncodedRecord, EncodedRecords, decode_line, encoded
+from gymckpt.workers.gather import ExportedRecord
+from gymckpt.workers.placement import is_routing_id, is_whole_episode
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Set
+
+__all__ = [
+    "CHUNK_BYTES",
+    "GatheredLines",
+    "LinePipe",
+    "LineRef",
+    "InstallStaging",
+    "encode_export_chunk",
+    "exported_records",
+    "exported_refs",
+    "owner_of",
+]
+
+#: about how many bytes of encoded lines one chunk carries (a record longer than that goes alone)
+CHUNK_BYTES = 512 << 10
+
+Line = list[Any]
+
+
+def owner_of(kind: str, record: dict[str, Any], owner: str | None) -> str | None:
+    """The owner a worker stamps on ``record``: its routing id for a session record, else None."""
+    return None if is_whole_episode(kind, record) else owner
+
+
+def encode_export_chunk(
+    records: list[dict[str, Any]],
+    start: int,
+    kind: str,
+    owner: str | None,
+    limit: int = CHUNK_BYTES,
+    skip: Set[int] = frozenset(),
+) -> tuple[list[Line], int]:
+    """Records from ``start`` on (but those at a position in ``skip``), each encoded once, until
+    about ``limit`` bytes: the chunk's ``[episode_id, line, owner]`` triples and the next start.
+
+    The line travels as text (UTF-8 JSON); ``owner`` is set on session records, which carry
+    it in the line too.
+    """
+    lines: list[Line] = []
+    size = 0
+    index = start
+    while index < len(records) and size < limit:
+        if index in skip:
+            index += 1
+            continue
+        record = records[index]
+        session_owner = owner_of(kind, record, owner)
+        stamped = record if session_owner is None else {**record, "owner": session_owner}
+        episode_id, line = encoded(stamped)
+        size += len(line)
+        lines.append([episode_id, line.decode("utf-8"), session_owner])
+        index += 1
+    return lines, index
+
+
+def exported_records(lines: object, who: str) -> list[ExportedRecord]:
+    """A chunk's ``[episode_id, line, owner]`` triples as pre-encoded records (refused: not such triples)."""
+    if not isinstance(lines, list):
+        raise InvalidCheckpointState(f"{who} sent an export chunk without a records list")
+    records = []
+    for item in lines:
+        if not (
+            isinstance(item, list)
+            and len(item) in (2, 3)
+            and isinstance(item[0], str)
+            and isinstance(item[1], str)
+            and (len(item) == 2 or item[2] is None or is_routing_id(item[2]))
+        ):
+            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, line, owner] triple")
+        owner = item[2] if len(item) == 3 else None
+        records.append(ExportedRecord(EncodedRecord(item[0], item[1].encode("utf-8")), owner=owner))
+    return records
+
+
+class LineRef(NamedTuple):
+    """A worker's exported record before its line moves: its id, the worker and its position there."""
+
+    episode_id: str
+    worker: int
+    position: int
+
+
+def exported_refs(reply: object, index: int, who: str) -> list[ExportedRecord]:
+    """An ``export`` reply's ``[episode_id, owner]`` pairs as records to gather (refused: not such pairs)."""
+    pairs = reply.get("records") if isinstance(reply, dict) else None
+    if not isinstance(pairs, list):
+        raise InvalidCheckpointState(f"{who} replied to export without a records list")
+    refs = []
+    for position, item in enumerate(pairs):
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and (item[1] is None or is_routing_id(item[1]))
+        ):
+            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, owner] pair")
+        refs.append(ExportedRecord(LineRef(item[0], index, position), owner=item[1]))  # type: ignore[arg-type]
+    return refs
+
+
+_END = object()
+
+
+class LinePipe:
+    """One worker's chunks, from the event loop to the writing thread; a chunk is answered once the
+    writer takes it, so at most one waits while the writer works on the one before."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.received = 0
+        self._items: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+
+    async def put(self, records: list[ExportedRecord]) -> None:
+        """Hand a chunk over (on the loop); returns once the writer took it."""
+        if self._closed:
+            raise InvalidPhase("the write these records were for has ended")
+        taken = self.loop.create_future()
+        self.received += len(records)
+        self._items.put((records, taken))
+        if self._closed:  # closed meanwhile, perhaps before this chunk was queued: nobody takes it
+            _refuse(taken)
+        await taken
+
+    def finish(self, failure: BaseException | None) -> None:
+        """The stream ended (on the loop): the writer gets ``failure``, or the end."""
+        self._items.put((_END, failure))
+
+    def close(self) -> None:
+        """The writer stops reading (on its thread): every chunk still waiting is refused."""
+        self._closed = True
+        while True:
+            try:
+                _, taken = self._items.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(taken, asyncio.Future):
+                self.loop.call_soon_threadsafe(_refuse, taken)
+
+    def take(self, alive: Callable[[], bool]) -> list[ExportedRecord] | None:
+        """The next chunk (on the writer's thread), None at the end; raises the stream's failure."""
+        while True:
+            try:
+                item, other = self._items.get(timeout=1.0)
+            except queue.Empty:
+                if not alive():
+                    raise CoordinatorUnavailable("the coordinator's event loop ended during a write") from None
+                continue
+            if item is _END:
+                if other is not None:
+                    raise other
+                return None
+            self.loop.call_soon_threadsafe(_answer, other)
+            return item  # type: ignore[no-any-return]
+
+
+def _answer(taken: asyncio.Future[None]) -> None:
+    if not taken.done():
+        taken.set_result(None)
+
+
+def _refuse(taken: asyncio.Future[None]) -> None:
+    if not taken.done():
+        taken.set_exception(InvalidPhase("the write these records were for has ended"))
+
+
+#: ``fetch(index, skip, pipe)``: ask worker ``index`` for its kept lines (all but the positions in
+#: ``skip``) into ``pipe``, and finish the pipe; run on the coordinator's loop
+Fetch = Callable[[int, list[int], LinePipe], Coroutine[Any, Any, None]]
+
+
+class GatheredLines(EncodedRecords):
+    """A commit's records across workers, read from each worker in turn as the store writes them.
+
+    ``plan`` is, in gathering order, each worker's index, the positions it leaves out and the
+    ids of the records it sends; ``held`` the coordinator's records, written last.
+    """
+
+    def __init__(
+        self,
+        plan: list[tuple[int, list[int], list[str]]],
+        held: list[EncodedRecord],
+        fetch: Fetch,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        super().__init__([key for _, _, keys in plan for key in keys] + [record.episode_id for record in held])
+        self.plan = plan
+        self.held = held
+        self.fetch = fetch
+        self.loop = loop
+
+    def __iter__(self) -> Iterator[EncodedRecord]:
+        """The lines, in gathering order: iterate on another thread than the coordinator's loop (the store's writer)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            raise RuntimeError("a commit's gathered lines are read on a thread of their own, not on the event loop")
+        for index, skip, keys in self.plan:
+            if keys:
+                yield from self._worker_lines(index, skip, keys)
+        yield from self.held
+
+    def _worker_lines(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRecord]:
+        pipe = LinePipe(self.loop)
+        running = asyncio.run_coroutine_threadsafe(self.fetch(index, skip, pipe), self.loop)
+        position = 0
+        try:
+            while (chunk := pipe.take(lambda: not self.loop.is_closed())) is not None:
+                for exported in chunk:
+                    record = exported.record
+                    if position >= len(keys) or record.episode_id != keys[position]:
+                        raise InvalidCheckpointState(
+                            f"worker {index} sent the line of {record.episode_id!r} where its export named another"
+                        )
+                    position += 1
+                    yield record  # type: ignore[misc]
+                del chunk
+            if position != len(keys):
+                raise InvalidCheckpointState(f"worker {index} sent {position} of the {len(keys)} records it exported")
+            running.result()
+        finally:
+            pipe.close()
+            if not running.done():
+                running.cancel()
+
+
+class InstallStaging:
+    """A worker's records of the current install stream, decoded as their chunks arrive, by position in its share."""
+
+    def __init__(self) -> None:
+        self.stream: int | None = None
+        self.records: dict[int, dict[str, Any]] = {}
+
+    def take(self, body: object) -> None:
+        """One ``install_chunk`` (``[position, line]`` pairs): a new stream drops what an earlier, unfinished one left."""
+        stream = body.get("stream") if isinstance(body, dict) else None
+        pairs = body.get("records") if isinstance(body, dict) else None
+        if type(stream) is not int or not isinstance(pairs, list):
+            raise InvalidRequest("an install chunk needs an integer stream and a records list")
+        if stream != self.stream:
+            self.drop()
+            self.stream = stream
+        for pair in pairs:
+            if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and isinstance(pair[1], str)):
+                raise InvalidRequest("an install chunk's records are [position, line] pairs")
+            self.records[pair[0]] = decode_line(pair[1].encode("utf-8"))
+
+    def finish(self, stream: object, count: object) -> list[dict[str, Any]]:
+        """The records of ``stream`` in share order (positions 0 … ``count`` - 1); the staging is empty afterwards."""
+        records = self.records if stream == self.stream else {}
+        self.drop()
+        if type(count) is not int or sorted(records) != list(range(count)):
+            raise InvalidCheckpointState(
+                f"the install of stream {stream!r} names {count!r} records, but {len(records)} arrived"
+            )
+        return [records[position] for position in range(count)]
+
+    def drop(self) -> None:
+        """Forget the staged records (an unfinished stream)."""
+        self.stream = None
+        self.records = {}

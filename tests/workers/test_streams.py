@@ -1,0 +1,235 @@
+"""Records between the coordinator and its workers in bounded chunks: commit's gather, restore's scatter.
+
+A real ControlPlane over a CoordinatedParticipant with linked workers (tests/workers/cluster.py);
+records are large enough that every worker's part spans several chunks of the real chunk size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from gymckpt.control.plane import ControlPlane
+from gymckpt.store import open_store
+from gymckpt.testing.participant import FakeParticipant
+from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging
+
+from ..support import error_code
+from .cluster import INSTANCE, KIND, call, client_of, cluster, control_app, request
+
+if TYPE_CHECKING:
+    from .cluster import Cluster
+
+ROUTING = ["1" * 32, "2" * 32]
+#: records per worker; each about half a chunk, so every worker's part spans several chunks
+PER_WORKER = 7
+
+
+def _state(seed: int) -> dict[str, Any]:
+    """About CHUNK_BYTES / 2 of text, with the values a fast path must not lose."""
+    rnd = random.Random(seed)
+    text = "".join(rnd.choices(string.ascii_letters + ' é"\\\n', k=CHUNK_BYTES // 2))
+    return {"text": text, "nan": float("nan"), "big": 2**70 + seed, "seed": seed}
+
+
+def _records_file(checkpoint: Path, kind: str = KIND) -> tuple[Any, bytes]:
+    store = open_store(str(checkpoint))
+    manifest = store.read_manifest("", kind=kind, instance=INSTANCE)
+    return manifest, (checkpoint / manifest.records_path).read_bytes()
+
+
+def _manifests(checkpoint: Path) -> list[Path]:
+    return sorted(checkpoint.rglob("manifest.json")) if checkpoint.exists() else []
+
+
+def _count_calls(running: Cluster, name: str) -> list[int]:
+    """Count the coordinator's calls of ``name`` by worker index (patched on the instance)."""
+    seen: list[int] = []
+    original = getattr(running.coordinator, name)
+
+    async def counted(index: int, *args: Any) -> Any:
+        seen.append(index)
+        return await original(index, *args)
+
+    setattr(running.coordinator, name, counted)
+    return seen
+
+
+async def test_a_commit_larger_than_a_chunk_moves_in_several_chunks_and_writes_the_one_worker_file(
+    tmp_path: Path,
+) -> None:
+    keys = {index: [f"w{index}-{n}" for n in range(PER_WORKER)] for index in (1, 2)}
+    single = FakeParticipant(KIND, INSTANCE)
+    for index in (1, 2):
+        for number, key in enumerate(keys[index]):
+            single.start(key, _state(index * 100 + number))
+    plane = ControlPlane(single)
+    async with client_of(control_app(plane)) as alone:
+        assert (await call(alone, "prepare", request("c1"))).json()["phase"] == "prepared"
+        reply = await call(alone, "commit", request("c1", checkpoint_dir=str(tmp_path / "one")))
+        assert reply.status_code == 200, reply.text
+    await plane.close()
+
+    async with cluster(tmp_path, 2) as running:
+        chunks = _count_calls(running, "export_chunk")
+        for worker in running.workers:
+            for number, key in enumerate(keys[worker.index]):
+                worker.fake.start(key, _state(worker.index * 100 + number))
+        assert (await running.workers[0].call("prepare", request("c1"))).json()["phase"] == "prepared"
+        reply = await running.workers[1].call("commit", request("c1", checkpoint_dir=str(tmp_path / "two")))
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["episode_ids"] == sorted(keys[1] + keys[2])
+    # every worker's part came in several chunks, and the records file is the one-worker file, byte for byte
+    assert chunks.count(1) > 1
+    assert chunks.count(2) > 1
+    one_manifest, one_bytes = _records_file(tmp_path / "one")
+    two_manifest, two_bytes = _records_file(tmp_path / "two")
+    assert two_bytes == one_bytes
+    assert two_manifest.records_sha256 == one_manifest.records_sha256
+    assert two_manifest.record_count == 2 * PER_WORKER
+
+
+async def test_a_worker_lost_in_the_middle_of_its_lines_fails_the_commit_named_and_leaves_no_manifest(
+    tmp_path: Path,
+) -> None:
+    async with cluster(tmp_path, 2) as running:
+        one, two = running.workers
+        for worker in running.workers:
+            for number in range(PER_WORKER):
+                worker.fake.start(f"w{worker.index}-{number}", _state(number))
+        original = running.coordinator.export_chunk
+        cut: list[int] = []
+
+        async def cut_after_the_first_chunk(index: int, body: object) -> Any:
+            if index == two.index and not cut:
+                cut.append(index)
+                await running.coordinator.workers[index].channel.close()  # the connection dies mid-stream
+            return await original(index, body)
+
+        running.coordinator.export_chunk = cut_after_the_first_chunk  # type: ignore[method-assign]
+        assert (await one.call("prepare", request("c1"))).json()["phase"] == "prepared"
+        reply = await one.call("commit", request("c1", checkpoint_dir=str(tmp_path / "ck")))
+        assert cut == [two.index]
+        assert reply.status_code == 503, reply.text
+        assert error_code(reply) == "checkpoint_coordinator_unavailable"
+        assert f"{KIND} worker {two.index}" in reply.json()["error"]["detail"]
+        assert _manifests(tmp_path / "ck") == []
+        assert two.lost == ["lost"]  # the worker took its coordinator as gone
+
+
+def _session_records(count: int) -> list[dict[str, Any]]:
+    """A one-worker server's sessions (no owner), each about half a chunk."""
+    return [{"episode_id": f"s{number}", "state": _state(number)} for number in range(count)]
+
+
+def _write_sessions(checkpoint: Path, records: list[dict[str, Any]]) -> None:
+    open_store(str(checkpoint)).write_participant(
+        "", kind="resources", instance=INSTANCE, checkpoint_id="c0", records=records, extra={}
+    )
+
+
+def _same(left: Any, right: Any) -> bool:
+    """Equal, NaN included (the states carry one)."""
+    return repr(left) == repr(right)
+
+
+async def test_a_restore_whose_shares_span_several_chunks_installs_exactly_the_records(tmp_path: Path) -> None:
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources") as running:
+        chunks = _count_calls(running, "_send_chunk")
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["restored"] == sorted(f"{key}-a1" for key in keys)
+        installed: dict[str, dict[str, Any]] = {}
+        for worker, routing_id in zip(running.workers, ROUTING, strict=True):
+            assert worker.fake.installed, "every worker installs a share"
+            for record in worker.fake.installed:
+                assert record["owner"] == routing_id  # placed on this worker
+                installed[record["episode_id"]] = record
+        assert sorted(installed) == sorted(f"{key}-a1" for key in keys)
+        for record in records:
+            assert _same(installed[f"{record['episode_id']}-a1"]["state"], record["state"])
+        assert chunks.count(running.workers[0].index) > 1
+        assert chunks.count(running.workers[1].index) > 1
+        # the coordinator keeps none of the sessions' records
+        assert running.coordinator.held == {}
+
+
+async def test_a_worker_lost_in_the_middle_of_its_share_fails_the_restore_named_with_nothing_installed(
+    tmp_path: Path,
+) -> None:
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources") as running:
+        one, two = running.workers
+        original = running.coordinator._send_chunk
+        sent: list[int] = []
+
+        async def cut_before_the_second_chunk(index: int, stream: int, chunk: list[list[Any]]) -> None:
+            sent.append(index)
+            if index == two.index and sent.count(index) == 2:
+                await running.coordinator.workers[index].channel.close()  # the connection dies mid-stream
+            await original(index, stream, chunk)
+
+        running.coordinator._send_chunk = cut_before_the_second_chunk  # type: ignore[method-assign]
+        keys = [record["episode_id"] for record in records]
+        reply = await one.call("restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys))
+        assert reply.status_code == 503, reply.text
+        assert error_code(reply) == "checkpoint_coordinator_unavailable"
+        assert f"resources worker {two.index}" in reply.json()["error"]["detail"]
+        assert one.fake.installed == []
+        assert two.fake.installed == []
+        assert one.link._staging.records == {}  # the failed restore reopened admission: its chunks are dropped
+
+
+def test_an_install_stream_gives_its_records_in_share_order_and_refuses_a_short_one() -> None:
+    staging = InstallStaging()
+    staging.take({"stream": 3, "records": [[1, '{"episode_id":"b","n":2}\n'], [0, '{"episode_id": "a", "n": NaN}\n']]})
+    records = staging.finish(3, 2)
+    assert [record["episode_id"] for record in records] == ["a", "b"]
+    staging.take({"stream": 4, "records": [[0, '{"episode_id":"a"}\n']]})
+    staging.take({"stream": 5, "records": [[1, '{"episode_id":"b"}\n']]})  # a new stream drops the unfinished one
+    try:
+        staging.finish(5, 2)
+    except Exception as exc:
+        assert getattr(exc, "code", None) == "invalid_checkpoint_state"
+    else:
+        raise AssertionError("a stream missing a record was installed")
+    assert staging.finish(6, 0) == []
+
+
+async def test_lines_asked_for_after_the_write_ended_are_refused(tmp_path: Path) -> None:
+    async with cluster(tmp_path, 2) as running:
+        refused = await asyncio.gather(
+            running.coordinator.export_chunk(running.workers[0].index, {"stream": 99, "records": []}),
+            return_exceptions=True,
+        )
+        assert getattr(refused[0], "code", None) == "invalid_phase"
+
+
+async def test_a_workers_commit_and_restore_log_lines_carry_the_planes_steps(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write_sessions(tmp_path / "ck", _session_records(2))
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources") as running:
+        with caplog.at_level(logging.INFO, logger="gymckpt.telemetry"):
+            body = request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["s0", "s1"])
+            assert (await running.workers[0].call("restore", body)).status_code == 200
+            assert (await running.workers[1].call("resume", request("r-1"))).status_code == 200
+            assert (await running.workers[1].call("prepare", request("c2"))).json()["phase"] == "prepared"
+            reply = await running.workers[0].call("commit", request("c2", checkpoint_dir=str(tmp_path / "ck2")))
+            assert reply.status_code == 200, reply.text
+    lines = {record.getMessage().split(" ", 1)[0]: record.getMessage() for record in caplog.records}
+    assert re.search(r"read=\d+\.\d+s install=\d+\.\d+s", lines["restore"]), lines["restore"]
+    assert re.search(r"export=\d+\.\d+s write=\d+\.\d+s", lines["commit"]), lines["commit"]
