@@ -475,6 +475,8 @@ WIRE = {
     errors.RolloutAttemptConflict: ("invalid_rollout_id", 400),
     errors.CheckpointDirNotAllowed: ("checkpoint_dir_not_allowed", 403),
     errors.SessionBusy: ("session_busy", 409),
+    errors.SessionRolloutMismatch: ("session_rollout_mismatch", 409),
+    errors.SessionsNotExported: ("export_failed", 409),
     errors.Unauthorized: ("unauthorized", 401),
 }
 OTHER = {
