@@ -8,12 +8,15 @@ the HTTP protocol of every server ``gymckpt serve`` runs (:mod:`gymckpt.stack.se
 what a client may hold:
 
 - **Head.** A request's head (request line and headers) must be complete within
-  ``GYMCKPT_HEADER_TIMEOUT`` seconds (default :data:`HEADER_TIMEOUT_SECONDS`) of the connection
-  opening, or, on a kept-alive connection, of the first byte of the next request (the idle time
-  before it is the keep-alive's, ``GYMCKPT_KEEP_ALIVE``: counting it here would cut every idle
-  pooled connection at this deadline). Otherwise the server answers 408 ``request_timeout`` and
-  closes; a connection that sent nothing at all is closed without a reply, as the keep-alive does.
-  (h11 bounds the head's size: past 16 KiB it is a 400.)
+  ``GYMCKPT_HEADER_TIMEOUT`` seconds (default :data:`HEADER_TIMEOUT_SECONDS`) of its first byte,
+  on a new connection as on a kept-alive one; otherwise the server answers 408
+  ``request_timeout`` and closes. The time before that first byte is the keep-alive's
+  (``GYMCKPT_KEEP_ALIVE``), never the head's: a client's event loop under load may take many
+  seconds between its connect and its first write (a trainer opening thousands of ``/run``
+  calls at once), and an idle pooled connection waits for its next request; counting either
+  here cut legitimate calls by the thousand. A new connection that sends nothing within the
+  keep-alive is closed without a reply, as a kept-alive idle one is; one that is merely idle
+  is bounded by shedding too. (h11 bounds the head's size: past 16 KiB it is a 400.)
 - **Body.** Only the client's slowness counts, never the app's: the body's clock runs from the
   end of the head until the body is complete, while the server waits for the client's bytes. It
   stops while reading is paused (uvicorn stops reading once 64 KiB the app has not taken are
@@ -28,13 +31,18 @@ what a client may hold:
   sets it to what its descriptor budget leaves for calls coming in,
   :func:`~gymckpt.stack.serving.check_descriptor_budget`; unset, the descriptor limit less
   :data:`~gymckpt.transport.DESCRIPTOR_RESERVE`). When a new connection would take it past
-  that, the server closes the connections that have waited longest without a request in
-  progress (a head not complete yet, or idle between requests) until it is back at the budget.
-  Requests being served are never shed. So a connection that sends its whole head at once, as
-  every client does (the Coordinator's status call), is served however many slow or idle
-  connections there are: they are the oldest waiting ones, and a new connection is the youngest.
-  A closed idle connection costs its client one resend where that is safe
-  (:mod:`gymckpt.transport`). One WARNING line every 10 s at most says how many were shed.
+  that, the server closes connections that have no request in progress until it is back at
+  the budget: first those with a head partway in, then new ones that sent nothing yet (each
+  longest waiting first, never the newcomer); then kept-alive ones that have idled at least half the
+  keep-alive (every :mod:`gymckpt.transport` client drops its side before that, so no active
+  client's pooled connection is taken). Requests being served, parked calls among them, are
+  never shed; when nothing else is left the server stays over its budget and says so. So a
+  connection that sends its whole head at once, as every client does (the Coordinator's status
+  call), is served however many slow or idle connections there are.
+- **Told.** Every connection the server closes on its own (shed, a head or a body too slow, a
+  new connection unused for the keep-alive), and every time it stays over its budget, is
+  counted by reason; one WARNING line every 10 s at most says how many of each since the last
+  line, and a timer writes the last counts, so none goes untold.
 
 The protocol is uvicorn's h11 protocol with these timers added; it is given to uvicorn as a
 class (``http=DeadlineProtocol``), so uvicorn never picks httptools for a server even where
@@ -48,7 +56,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -62,7 +69,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gymckpt import telemetry
 from gymckpt.errors import RequestTimeout
-from gymckpt.transport import DESCRIPTOR_RESERVE
+from gymckpt.transport import DESCRIPTOR_RESERVE, KEEP_ALIVE_ENV
 
 if TYPE_CHECKING:
     import asyncio
@@ -101,8 +108,8 @@ BODY_MIN_RATE_ENV = "GYMCKPT_BODY_MIN_RATE"
 CONNECTION_BUDGET_ENV = "GYMCKPT_CONNECTION_BUDGET"
 #: the least a derived connection budget is
 MIN_CONNECTION_BUDGET = 64
-#: at most one WARNING about shed connections per this many seconds
-_SHED_LOG_SECONDS = 10.0
+#: at most one WARNING about the connections a server closed on its own per this many seconds
+_REPORT_SECONDS = 10.0
 #: the shortest wait before the body's clock is looked at again
 _MIN_CHECK_SECONDS = 0.05
 
@@ -170,44 +177,121 @@ def _timeout_reply(detail: str) -> bytes:
     return head.encode("ascii") + body
 
 
-class _Waiting:
-    """One server's connections with no request in progress, longest waiting first; it sheds them."""
+#: why a server closed a connection it was not asked to close, as its WARNING line says it
+_REASONS = {
+    "shed": f"shed at the connection budget ({CONNECTION_BUDGET_ENV}), no request in progress on them",
+    "head": f"request head not complete in time ({HEADER_TIMEOUT_ENV})",
+    "unused": f"new, sent no byte within the keep-alive ({KEEP_ALIVE_ENV})",
+    "body": f"request body too slow ({BODY_MIN_RATE_ENV} after {BODY_GRACE_ENV})",
+    "over": (
+        f"NOT closed: over the connection budget ({CONNECTION_BUDGET_ENV}), yet every connection is serving a "
+        "request or is a recently used kept-alive one (times a connection arrived past the budget)"
+    ),
+}
+
+
+class _Closings:
+    """The connections one server closed on its own, by reason: one WARNING line per
+    :data:`_REPORT_SECONDS` at most, and none left untold (a timer writes what the last line did not)."""
 
     def __init__(self) -> None:
-        self.order: OrderedDict[DeadlineProtocol, None] = OrderedDict()
+        self.counts: dict[str, int] = {}
+        self.notes: dict[str, str] = {}
+        self.logged_at = float("-inf")
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, reason: str, loop: asyncio.AbstractEventLoop, note: str = "", *, count: int = 1) -> None:
+        """Count ``count`` closings for ``reason`` (``note``: the latest figures), logging now or by the timer."""
+        self.counts[reason] = self.counts.get(reason, 0) + count
+        if note:
+            self.notes[reason] = note
+        wait = self.logged_at + _REPORT_SECONDS - loop.time()
+        if wait <= 0:
+            self.report(loop)
+        elif self.timer is None:
+            self.timer = loop.call_later(wait, self.report, loop)
+
+    def report(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Log what was closed since the last line (nothing when nothing was)."""
+        self.timer = None
+        if not self.counts:
+            return
+        told = "; ".join(
+            f"{count} {_REASONS[reason]}" + (f" [{self.notes[reason]}]" if reason in self.notes else "")
+            for reason, count in self.counts.items()
+        )
+        logger.warning("closed connections on the server's side: %s", told)
+        self.counts.clear()
+        self.notes.clear()
+        self.logged_at = loop.time()
+
+
+class _Waiting:
+    """One server's connections with no request in progress, and the shedding of them.
+
+    Three kinds, each longest waiting first: ``partial``, a head partway in (what a slow
+    client attack looks like: every client writes its head at once); ``silent``, new
+    connections with no byte yet (an idle attack, or a loaded client slow to write after its
+    connect); ``idle``, kept-alive connections between requests, with when they went idle.
+    Shedding takes partial ones first, then silent ones, then idle ones only once they have
+    idled half the keep-alive (every client of :mod:`gymckpt.transport` has dropped its side
+    by then, so no active client's pooled connection is taken); never a request in progress.
+    """
+
+    def __init__(self) -> None:
+        self.partial: OrderedDict[DeadlineProtocol, None] = OrderedDict()
+        self.silent: OrderedDict[DeadlineProtocol, None] = OrderedDict()
+        self.idle: OrderedDict[DeadlineProtocol, float] = OrderedDict()
         #: connections shed and not gone yet (still in uvicorn's set of connections)
         self.closing: weakref.WeakSet[DeadlineProtocol] = weakref.WeakSet()
-        self.shed_since_log = 0
-        self.logged_at = 0.0
+        self.closings = _Closings()
 
-    def wait(self, connection: DeadlineProtocol) -> None:
-        self.order.pop(connection, None)
-        self.order[connection] = None
+    def wait(self, connection: DeadlineProtocol, *, started: bool) -> None:
+        """``connection`` has no whole head yet; ``started``: some of it came."""
+        self.done(connection)
+        (self.partial if started else self.silent)[connection] = None
+
+    def go_idle(self, connection: DeadlineProtocol, since: float) -> None:
+        self.done(connection)
+        self.idle[connection] = since
 
     def done(self, connection: DeadlineProtocol) -> None:
-        self.order.pop(connection, None)
+        self.partial.pop(connection, None)
+        self.silent.pop(connection, None)
+        self.idle.pop(connection, None)
 
-    def shed(self, open_connections: int, budget: int) -> None:
-        """Close the longest waiting connections until at most ``budget`` stay open."""
+    def _victims(self, newcomer: DeadlineProtocol, excess: int) -> list[DeadlineProtocol]:
+        victims: list[DeadlineProtocol] = []
+        for kind in (self.partial, self.silent):
+            for connection in kind:
+                if len(victims) == excess:
+                    return victims
+                if connection is not newcomer:
+                    victims.append(connection)
+        idle_enough = newcomer.loop.time() - newcomer.timeout_keep_alive / 2
+        for connection, since in self.idle.items():
+            if since > idle_enough or len(victims) == excess:
+                break  # the rest idled less: an active client may send its next request on them
+            victims.append(connection)
+        return victims
+
+    def shed(self, newcomer: DeadlineProtocol, open_connections: int, budget: int) -> None:
+        """Close waiting connections (never ``newcomer``) until at most ``budget`` stay open, or none may go."""
         excess = open_connections - len(self.closing) - budget
-        while excess > 0 and len(self.order) > 1:  # the last one waiting is the newcomer
-            oldest = next(iter(self.order))
-            self.order.pop(oldest)
-            self.closing.add(oldest)
-            oldest.close_shed()
-            excess -= 1
-            self.shed_since_log += 1
-        now = time.monotonic()
-        if self.shed_since_log and now - self.logged_at >= _SHED_LOG_SECONDS:
-            logger.warning(
-                "shed %d connection(s) that waited longest without a request in progress: this process holds "
-                "%d connections, its budget is %d (%s); slow or idle clients, or too small a budget",
-                self.shed_since_log,
-                open_connections - len(self.closing),
-                budget,
-                CONNECTION_BUDGET_ENV,
-            )
-            self.shed_since_log, self.logged_at = 0, now
+        if excess <= 0:
+            return
+        loop = newcomer.loop
+        victims = self._victims(newcomer, excess)
+        for victim in victims:
+            self.done(victim)
+            self.closing.add(victim)
+            victim.close_shed()
+        still_over = excess - len(victims)
+        note = f"{open_connections - len(self.closing)} open, budget {budget}"
+        if victims:
+            self.closings.add("shed", loop, note, count=len(victims))
+        if still_over > 0:
+            self.closings.add("over", loop, note)
 
 
 #: each server's (uvicorn's ServerState) waiting connections
@@ -247,7 +331,7 @@ class DeadlineProtocol(H11Protocol):
             waiting = _WAITING[server_state] = _Waiting()
         self.waiting = waiting
         self.head_timer: asyncio.TimerHandle | None = None
-        #: False while kept alive with no byte of the next request yet (the keep-alive's time, not the head's)
+        #: False while no byte of the next request has come (the keep-alive's time, not the head's)
         self.head_clock = False
         self.seen_cycle: object = None
         # the body's clock: on while the server waits for the client's bytes
@@ -262,22 +346,26 @@ class DeadlineProtocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.flow = _TimedFlow(transport, self)
-        self._wait_for_head(started=True)  # the head's clock runs from the connection opening
+        # the head's clock starts with the first byte: a client's loop may take a while to write after its
+        # connect (a loaded process); until then the connection is idle, for the keep-alive at most
+        self._wait_for_head(started=False)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._unused_expired)
         budget = self.deadlines.connection_budget
         if budget is not None and len(self.connections) > budget:
-            self.waiting.shed(len(self.connections), budget)
+            self.waiting.shed(self, len(self.connections), budget)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_waiting()
         self._end_body()
         self.waiting.closing.discard(self)
+        self._unset_keepalive_if_required()  # uvicorn cancels it only on a clean close
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self.in_body:
             self.body_received += len(data)
         elif not self.head_clock and self.seen_cycle_done():
-            self._wait_for_head(started=True)  # the first byte of the next request on a kept-alive connection
+            self._wait_for_head(started=True)  # the first byte of a request: its head's clock starts
         super().data_received(data)
         self._after_events()
 
@@ -311,12 +399,15 @@ class DeadlineProtocol(H11Protocol):
         elif self.in_body:
             self.update_body_clock()
         if not self.in_body and self.head_timer is None and self.seen_cycle_done():
-            # between requests: a part of the next head already buffered starts its clock now
-            self._wait_for_head(started=bool(self.conn.trailing_data[0]))
+            if self.conn.trailing_data[0]:
+                self._wait_for_head(started=True)  # a part of the next head already buffered starts its clock
+            elif self.cycle is not None:
+                self._end_waiting()
+                self.waiting.go_idle(self, self.loop.time())  # kept alive between requests
 
     def _wait_for_head(self, *, started: bool) -> None:
-        """No request in progress: shed first when over budget, and time the head once it has started."""
-        self.waiting.wait(self)
+        """No whole head yet: among the first to shed when over budget, and the head timed once it has started."""
+        self.waiting.wait(self, started=started)
         self.head_clock = started
         if started and self.head_timer is None:
             self.head_timer = self.loop.call_later(self.deadlines.header_timeout, self._head_expired)
@@ -332,12 +423,19 @@ class DeadlineProtocol(H11Protocol):
         self.head_timer = None
         if self.transport.is_closing():
             return
-        if self.conn.trailing_data[0] or self.conn.their_state is not h11.IDLE:
-            detail = (
-                f"the request head was not complete within {self.deadlines.header_timeout:g} s ({HEADER_TIMEOUT_ENV})"
-            )
-            telemetry.refused(RequestTimeout.code)
-            self.transport.write(_timeout_reply(detail))
+        detail = f"the request head was not complete within {self.deadlines.header_timeout:g} s ({HEADER_TIMEOUT_ENV})"
+        telemetry.refused(RequestTimeout.code)
+        self.transport.write(_timeout_reply(detail))
+        self.waiting.closings.add("head", self.loop)
+        self.transport.close()
+
+    def _unused_expired(self) -> None:
+        """A new connection sent nothing for the keep-alive: closed as an idle kept-alive one is (no reply)."""
+        self.timeout_keep_alive_task = None
+        if self.transport.is_closing():
+            return
+        self._end_waiting()
+        self.waiting.closings.add("unused", self.loop)
         self.transport.close()
 
     def close_shed(self) -> None:
@@ -418,5 +516,5 @@ class DeadlineProtocol(H11Protocol):
             # the app sees the client gone: its receive() says disconnect, its send() is dropped
             cycle.disconnected = True
             cycle.message_event.set()
-        logger.debug("closed a connection whose request body came too slowly (%.1f s waited)", waited)
+        self.waiting.closings.add("body", self.loop, f"the last after {waited:.1f} s")
         self.transport.close()

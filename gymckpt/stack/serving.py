@@ -23,12 +23,15 @@ process only, with several workers).
 
 Slow clients (:mod:`gymckpt.stack.request_deadlines`, the HTTP protocol of every server run
 here): a request's head must arrive within ``GYMCKPT_HEADER_TIMEOUT`` seconds (default 10)
-of the connection opening or of its first byte, else 408 and close; a body must keep
+of its first byte, else 408 and close (before that byte, a connection is idle: the
+keep-alive bounds it); a body must keep
 ``GYMCKPT_BODY_MIN_RATE`` bytes/s (default 1024) after ``GYMCKPT_BODY_GRACE`` seconds
 (default 10), counted only while the server waits for the client's bytes, not while the app
 has not read them. Past ``GYMCKPT_CONNECTION_BUDGET`` connections (default: what the
-descriptor budget leaves for calls coming in), the connections that have waited longest with
-no request in progress are closed, so a complete request (a control call) still gets in.
+descriptor budget leaves for calls coming in), connections with no whole head yet are closed,
+longest waiting first, then kept-alive ones idle for half the keep-alive, so a complete
+request (a control call) still gets in; requests in progress are never closed. What a
+server closes on its own, it logs (one WARNING line every 10 s at most).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from gymckpt.stack.request_deadlines import (
     HEADER_TIMEOUT_ENV,
     RequestDeadlines,
 )
+from gymckpt.transport import KEEP_ALIVE_ENV
 
 from ..support import REPO, read_reply
 
@@ -95,6 +96,19 @@ def server(
     assert tracebacks == text.count("socket.accept() out of system resource"), text[-3000:]
 
 
+def server_log(tmp_path: Path) -> str:
+    """What the server of :func:`server` logged so far."""
+    return (tmp_path / "server.log").read_text(errors="replace")
+
+
+def wait_for_log(tmp_path: Path, text: str) -> None:
+    """Wait (bounded) until the server's log holds ``text``."""
+    deadline = time.monotonic() + WAIT
+    while text not in server_log(tmp_path):
+        assert time.monotonic() < deadline, server_log(tmp_path)[-3000:]
+        time.sleep(0.05)
+
+
 def request(address: tuple[str, int], raw: bytes) -> bytes:
     with socket.create_connection(address, timeout=WAIT) as sock:
         sock.sendall(raw)
@@ -131,13 +145,17 @@ def test_a_half_sent_head_gets_408_and_is_closed(tmp_path: Path) -> None:
     assert HEADER_TIMEOUT_ENV in body["error"]["detail"]
 
 
-def test_a_connection_that_sends_nothing_is_closed_without_a_reply(tmp_path: Path) -> None:
-    with server(tmp_path, {HEADER_TIMEOUT_ENV: "1"}) as address, socket.create_connection(address) as sock:
+def test_a_connection_that_sends_nothing_is_closed_without_a_reply_after_the_keep_alive(tmp_path: Path) -> None:
+    """The time before a request's first byte is the keep-alive's (a loaded client may be slow to write), not
+    the head's: a new connection unused that long is closed as an idle kept-alive one is, and the log says so."""
+    env = {HEADER_TIMEOUT_ENV: "60", KEEP_ALIVE_ENV: "1"}
+    with server(tmp_path, env) as address, socket.create_connection(address) as sock:
         assert until_closed(sock) == b""
+    assert "1 new, sent no byte within the keep-alive (GYMCKPT_KEEP_ALIVE)" in server_log(tmp_path)
 
 
 def test_a_head_trickled_a_byte_at_a_time_is_cut(tmp_path: Path) -> None:
-    """Bytes keep coming, but the head is never complete: the deadline counts from the opening, not the last byte."""
+    """Bytes keep coming, but the head is never complete: the deadline counts from the first byte, not the last."""
     with server(tmp_path, {HEADER_TIMEOUT_ENV: "1"}) as address, socket.create_connection(address) as sock:
         sock.sendall(HALF_HEAD)
         stop = threading.Event()
@@ -160,6 +178,7 @@ def test_a_head_trickled_a_byte_at_a_time_is_cut(tmp_path: Path) -> None:
             stop.set()
             thread.join(timeout=WAIT)
     assert reply.startswith(b"HTTP/1.1 408 "), reply
+    assert "1 request head not complete in time (GYMCKPT_HEADER_TIMEOUT)" in server_log(tmp_path)
 
 
 def test_a_kept_alive_connection_idles_past_the_head_deadline_and_is_still_served(tmp_path: Path) -> None:
@@ -203,6 +222,7 @@ def test_control_calls_get_through_while_slow_heads_exceed_the_descriptors(tmp_p
                 sock.close()
     # the server holds at most its budget: the rest of the attack was shed, oldest first
     assert closed >= ATTACKERS - BUDGET
+    assert "shed at the connection budget (GYMCKPT_CONNECTION_BUDGET)" in server_log(tmp_path)
 
 
 def count_closed(socks: list[socket.socket], *, at_least: int) -> int:
@@ -339,6 +359,8 @@ def test_a_parked_app_keeps_its_clients_while_a_slow_body_is_cut(tmp_path: Path)
                 cut = until_closed(slow)
             assert cut.startswith(b"HTTP/1.1 408 "), cut
             assert BODY_MIN_RATE_ENV in cut.decode()
+            # the log says so (the first close is logged at once)
+            wait_for_log(tmp_path, "1 request body too slow")
             # the parked calls have waited longer than the grace by now; they were not waiting for their clients
             assert request(address, b"GET /release HTTP/1.1\r\nHost: server\r\n\r\n").startswith(b"HTTP/1.1 200")
         finally:
