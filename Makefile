@@ -8,7 +8,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 # what an install builds from: an edited setup.py or C accelerator is reinstalled (rebuilt) by the next target
 INSTALL_INPUTS := pyproject.toml setup.py gymckpt/store/_exact.c
 
-.PHONY: demo test bench bench-scale lint clean
+.PHONY: demo test bench bench-scale bench-ray lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,12 @@ demo: $(STAMP)
 PYTEST_ARGS ?= -n 2 --dist loadfile
 # tests/sharedfs needs MooseFS and s3fs from Debian: installed here when missing (as root); otherwise
 # those tests are skipped, saying what to install (and fail where GYMCKPT_REQUIRE_SHAREDFS is set, as in CI)
+# tests/integrations run NeMo Gym's servers under Python 3.12: .ci/nemo-gym-venv builds .venv-nemo (once) where
+# a Python 3.12 exists; otherwise those tests are skipped, saying what to install (and fail where
+# GYMCKPT_REQUIRE_NEMO_GYM is set, as in CI)
 test: $(DEV_STAMP)
 	@.ci/sharedfs-deps || echo "make test: the shared-filesystem tests will be skipped (see above)"
+	@.ci/nemo-gym-venv || echo "make test: the NeMo Gym integration tests will be skipped (see above)"
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # local store against its primitives and peers, then S3 (an embedded moto server) against raw s3fs
@@ -49,9 +53,14 @@ bench: $(DEV_STAMP)
 bench-scale: $(DEV_STAMP)
 	$(BIN)/python -m benchmarks.bench_scale $(BENCH_SCALE_ARGS)
 
+# the Ray demo's scenario (three local Ray nodes, one SIGKILLed) against the one-machine stack, side by side, at
+# 2,000 rollouts; needs root, iproute2 and util-linux (the dev extras bring ray and moto). Short: BENCH_RAY_ARGS="--rollouts 500"
+bench-ray: $(DEV_STAMP)
+	$(BIN)/python -m benchmarks.bench_ray $(BENCH_RAY_ARGS)
+
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check gymckpt tests benchmarks examples
 	$(BIN)/ruff format --check gymckpt tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) checkpoints .pytest_cache
+	rm -rf $(VENV) .venv-nemo checkpoints .pytest_cache

@@ -47,6 +47,8 @@ README = REPO / "README.md"
 EXAMPLES = REPO / "examples"
 #: the section of the README whose shell blocks tests/test_examples.py runs (and asserts)
 EMBEDDING_SECTION = "Add checkpointing to your own FastAPI server"
+#: the section of the README whose blocks tests/integrations/test_nemo_doc.py runs, with NeMo Gym (Python 3.12)
+NEMO_GYM_SECTION = "Checkpointing a NeMo Gym stack"
 #: ports the documentation names; each workspace replaces them by free ones
 DOC_PORTS = ("8001", "8002", "8100", "8101", "8102", "8103", "8104", "8105", "9000")
 SERVER_START_SECONDS = 90.0

@@ -13,7 +13,8 @@ reader following it would:
   against an S3 endpoint (moto) this test serves, holding the checkpoint they name;
 - a ``yaml`` block must parse, and its ``checkpoint:`` block must be valid settings;
 - the shell blocks of the README's embedding section are run (and their replies checked)
-  by tests/test_examples.py;
+  by tests/test_examples.py, and every block of its NeMo Gym section (which needs Python
+  3.12 and NeMo Gym) by tests/integrations/test_nemo_doc.py;
 - a block that cannot run carries ``<!-- not run: reason -->`` on the line before it; the
   marks are counted, so one more needs this test changed too.
 
@@ -31,13 +32,13 @@ from typing import Any
 import pytest
 import yaml
 
-from .docs_support import EMBEDDING_SECTION, README, REPO, Block, Workspace, code_blocks
+from .docs_support import EMBEDDING_SECTION, NEMO_GYM_SECTION, README, REPO, Block, Workspace, code_blocks
 
 pytestmark = pytest.mark.timeout(420)
 
 DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
-#: (document, reason) of every block marked not run: the demo and the test suite themselves
-NOT_RUN = 2
+#: (document, reason) of every block marked not run: the demo and the test suite themselves, a Slurm batch script
+NOT_RUN = 3
 _FILE_BLOCK = re.compile(r"^# (?P<name>[A-Za-z0-9_.-]+\.py)\b")
 #: "S3" is the storage service; any other letter-and-digits id would name a section of a spec the repo lacks
 _SPEC_ID = re.compile(r"\b(?!S3\b)[A-Z][0-9]{1,2}\b|\bSPEC\b|§")
@@ -99,12 +100,14 @@ def _serve_s3_checkpoint(ws: Workspace) -> Any:  # a MotoEndpoint: moto is impor
 
 def run_document(path: Path, ws: Workspace) -> dict[str, int]:
     """Run every block of ``path`` in order; count what was run, delegated and marked."""
-    counts = {"python": 0, "sh": 0, "yaml": 0, "delegated": 0, "not_run": 0}
+    counts = {"python": 0, "sh": 0, "yaml": 0, "delegated": 0, "nemo_gym": 0, "not_run": 0}
     endpoint = None
     try:
         for block in code_blocks(path):
             if block.not_run:
                 counts["not_run"] += 1
+            elif path == README and block.section == NEMO_GYM_SECTION:
+                counts["nemo_gym"] += 1  # tests/integrations/test_nemo_doc.py runs these with NeMo Gym
             elif block.lang == "python":
                 _python(block, ws)
                 counts["python"] += 1
@@ -133,7 +136,7 @@ def test_every_block_of_the_readme_runs_as_written(tmp_path: Path) -> None:
     ws = Workspace(tmp_path)
     counts = run_document(README, ws)
     assert counts["python"] >= 3 and counts["sh"] >= 4 and counts["yaml"] >= 1, counts
-    assert counts["delegated"] >= 5, counts
+    assert counts["delegated"] >= 5 and counts["nemo_gym"] >= 5, counts
     outputs = {result.line.strip(): result.output for result in ws.results}
     assert re.search(
         r"step-700: \d+ rollouts finished, \d+ continue from the checkpoint", outputs["python trainer.py checkpoint"]

@@ -3,6 +3,12 @@
 With checkpointing on, callers put the capture key in the path, ``/ng-rollout/<key>/…``;
 :class:`RolloutPrefixMiddleware` strips it, so the app's routes stay as they are, and
 makes the episode available as :func:`current_episode` for the request's duration.
+
+The server's ``receive`` and ``send`` are called outside any episode (:func:`outside_episodes`):
+uvicorn starts a kept-alive connection's next request in a copy of the context it last
+re-armed the connection's reader in, and it re-arms it from inside ``receive()`` (a large
+body) and ``send()`` (a pipelined request). Without that, the next request on the
+connection would run as this one's rollout.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ __all__ = [
     "current_episode",
     "episode_context",
     "is_unfenced",
+    "outside_episodes",
 ]
 
 #: with checkpointing off there is no rollout prefix: the reference servers name the episode
@@ -64,6 +71,26 @@ def episode_context(episode: EpisodeId | None) -> Iterator[EpisodeId | None]:
         _CURRENT.reset(token)
 
 
+def outside_episodes(receive: Any, send: Any) -> tuple[Any, Any]:
+    """The server's ``receive`` and ``send``, each called with no episode current (module notes)."""
+
+    async def receive_outside() -> Any:
+        token = _CURRENT.set(None)
+        try:
+            return await receive()
+        finally:
+            _CURRENT.reset(token)
+
+    async def send_outside(message: Any) -> None:
+        token = _CURRENT.set(None)
+        try:
+            await send(message)
+        finally:
+            _CURRENT.reset(token)
+
+    return receive_outside, send_outside
+
+
 class RolloutPrefixMiddleware:
     """Strip ``/ng-rollout/<capture key>`` from the path and set the request's episode.
 
@@ -76,6 +103,10 @@ class RolloutPrefixMiddleware:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        receive, send = outside_episodes(receive, send)  # an episode set inside (by any code) stays inside
         if scope["type"] != "http" or not scope["path"].startswith(ROLLOUT_PREFIX.rstrip("/")):
             await self.app(scope, receive, send)
             return
@@ -103,6 +134,7 @@ class SessionHeaderMiddleware:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
+            receive, send = outside_episodes(receive, send)
             value = next((v for name, v in scope["headers"] if name == SESSION_HEADER.encode()), None)
             if value is not None:
                 try:
