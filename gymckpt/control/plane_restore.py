@@ -26,6 +26,7 @@ from gymckpt.errors import (
     InvalidRolloutId,
 )
 from gymckpt.identity import capture_key, first_keys, split_capture_key
+from gymckpt.store.codec import rekeyed_line
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Iterator
@@ -239,6 +240,23 @@ class ScopeRecords:
             record["episode_id"] = key = self.next_keys[record["episode_id"]]
             keys.append(key)
             yield record
+        self.episode_ids = keys
+
+    @property
+    def lines_readable(self) -> bool:
+        """True when :meth:`lines` can read the file (gymckpt's own format; a reference one is decoded)."""
+        return not self.manifest.is_reference
+
+    def lines(self, *, rekeyed: bool = True) -> Iterator[tuple[str, bytes]]:
+        """``(key, line)`` of the scope's records, undecoded, each line's leading id rewritten to its next
+        attempt (``rekeyed``; else the line as read, for a reader of the other fields); the whole file
+        is verified as :meth:`__iter__` does (the lines' JSON past the id is checked by whoever decodes
+        them). Only where :attr:`lines_readable`."""
+        keys = []
+        for episode_id, line in self.store.read_lines(self.manifest, scope=self.scope):
+            key = self.next_keys[episode_id]
+            keys.append(key)
+            yield key, rekeyed_line(line, key) if rekeyed else line
         self.episode_ids = keys
 
 

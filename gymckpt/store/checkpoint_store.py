@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Any
 from gymckpt.errors import UnsupportedStorage
 from gymckpt.store._local import LocalBackend
 from gymckpt.store._memory import MemoryBackend
-from gymckpt.store.participant import commit_participant, iter_manifest_records, load_manifest, restore_participant
+from gymckpt.store.participant import (
+    commit_participant,
+    iter_manifest_lines,
+    iter_manifest_records,
+    load_manifest,
+    restore_participant,
+)
 from gymckpt.store.publication import publish_checkpoint, read_index
 from gymckpt.store.records import DEFAULT_CHUNK_SIZE
 
@@ -159,6 +165,12 @@ class CheckpointStore:
         """
         scope_set = None if scope is None else frozenset(scope)
         return iter_manifest_records(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size)
+
+    def read_lines(self, manifest: Manifest, *, scope: Collection[str] | None = None) -> Iterator[tuple[str, bytes]]:
+        """Stream ``(episode_id, line)`` of the lines in ``scope``, undecoded, verifying the whole file as
+        :meth:`read_records` does (gymckpt's own format only: check ``manifest.is_reference`` first)."""
+        scope_set = None if scope is None else frozenset(scope)
+        return iter_manifest_lines(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size)
 
     def publish(
         self, checkpoint_dir: str, manifests: Iterable[Manifest], *, extra: dict[str, Any] | None = None

@@ -62,6 +62,7 @@ __all__ = [
     "episode_id_of_line",
     "is_exact_line",
     "reference_episode_id_of_line",
+    "rekeyed_line",
 ]
 
 #: deepest nesting a record may have; deeper values are refused by name
@@ -471,6 +472,26 @@ def episode_id_of_line(line: bytes | memoryview) -> str:
         return json.loads(b'"' + raw + b'"') if b"\\" in raw else raw.decode("utf-8")
     except (ValueError, UnicodeDecodeError) as exc:
         raise RecordUndecodable(f"line's episode_id is not a JSON string: {exc}") from exc
+
+
+def rekeyed_line(line: bytes, episode_id: str) -> bytes:
+    """``line`` (one of gymckpt's records lines) with its leading episode id token replaced by ``episode_id``:
+    the record decoded from the result is the line's, its ``episode_id`` (first key) ``episode_id``.
+
+    Copies the line once and decodes nothing. Raises :class:`RecordUndecodable` for a line that
+    does not start with an episode id string.
+    """
+    match = _EPISODE_ID_TOKEN.match(line)
+    if match is None:
+        raise RecordUndecodable("line does not start with an episode_id string")
+    if line[:15] == EXACT_PREFIX:
+        token = json.dumps(episode_id).encode("ascii")  # the exact path's escapes
+    else:
+        try:
+            token = orjson.dumps(episode_id)
+        except TypeError:  # a lone surrogate
+            token = json.dumps(episode_id).encode("ascii")
+    return b"".join((line[: match.start(1) - 1], token, line[match.end() :]))
 
 
 def _reference_key(value: object) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gymckpt.errors import (
     FileTooLarge,
@@ -25,17 +25,28 @@ from gymckpt.store.layout import (
     participant_directory,
 )
 from gymckpt.store.manifest import Manifest
-from gymckpt.store.records import DEFAULT_CHUNK_SIZE, RecordsCheck, WriteStop, read_records, write_records
+from gymckpt.store.records import (
+    DEFAULT_CHUNK_SIZE,
+    RecordsCheck,
+    WriteStop,
+    read_lines,
+    read_records,
+    write_records,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Iterator
+    from typing import BinaryIO
 
     from gymckpt.store.backend import StorageBackend
     from gymckpt.store.codec import EncodedRecord
 
+T = TypeVar("T")
+
 __all__ = [
     "commit_participant",
     "expected_records",
+    "iter_manifest_lines",
     "iter_manifest_records",
     "load_manifest",
     "read_manifest_file",
@@ -181,6 +192,34 @@ def iter_manifest_records(
 
     Records of a reference-format manifest come with their ``episode_id`` as a capture key.
     """
+    yield from _manifest_stream(
+        backend,
+        manifest,
+        lambda stream, expected: read_records(
+            stream, expected, scope=scope, decode_all=decode_all, chunk_size=chunk_size, progress=progress
+        ),
+    )
+
+
+def iter_manifest_lines(
+    backend: StorageBackend,
+    manifest: Manifest,
+    *,
+    scope: Collection[str] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Iterator[tuple[str, bytes]]:
+    """Stream a manifest's lines in ``scope`` undecoded, as ``(episode_id, line)``, verifying the whole
+    file (see :func:`~gymckpt.store.records.read_lines`; gymckpt's own format only)."""
+    yield from _manifest_stream(
+        backend, manifest, lambda stream, expected: read_lines(stream, expected, scope=scope, chunk_size=chunk_size)
+    )
+
+
+def _manifest_stream(
+    backend: StorageBackend, manifest: Manifest, read: Callable[[BinaryIO, RecordsCheck], Iterator[T]]
+) -> Iterator[T]:
+    """``read(stream, expected)`` over the manifest's records file; a missing, irregular or
+    unreadable file is a typed error naming it."""
     expected = expected_records(manifest)
     try:
         if manifest.records_bytes is not None:
@@ -198,9 +237,7 @@ def iter_manifest_records(
         raise expected.fail(RecordsMissing, "records file is missing") from exc
     with stream:
         try:
-            yield from read_records(
-                stream, expected, scope=scope, decode_all=decode_all, chunk_size=chunk_size, progress=progress
-            )
+            yield from read(stream, expected)
         except GymckptError:
             raise
         except OSError as exc:

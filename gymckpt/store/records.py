@@ -61,6 +61,7 @@ __all__ = [
     "RecordsSummary",
     "WriteStop",
     "paused_gc",
+    "read_lines",
     "read_records",
     "write_records",
 ]
@@ -465,6 +466,17 @@ def read_records(
     finally:
         reader.cancel()
         reader.join()
+    _check_whole(reader, expected, line_number, damage, episode_ids)
+
+
+def _check_whole(
+    reader: _ChunkReader,
+    expected: RecordsCheck,
+    line_number: int,
+    damage: LineDamage | None,
+    episode_ids: list[str],
+) -> None:
+    """The checks after the last line: size, digest, damaged lines, repeated episodes, count and ids."""
     if expected.size is not None and reader.size != expected.size:
         more = "more than " if reader.size > expected.size else ""
         raise expected.fail(
@@ -496,3 +508,54 @@ def read_records(
             f"records hold episodes the manifest does not list ({extra}), miss listed ones ({missing}) or repeat one",
             in_manifest=True,
         )
+
+
+def read_lines(
+    stream: BinaryIO,
+    expected: RecordsCheck,
+    *,
+    scope: Collection[str] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(episode_id, line)`` for the lines in ``scope`` (all when None), undecoded, while verifying
+    the whole file as :func:`read_records` does.
+
+    For a reader that hands lines on as they are (a server's coordinator sending each worker
+    its share): no record is decoded here. Each line is ``bytes`` without its newline; only its
+    leading episode id is read. The digest, size, count, one line per episode, the episode ids and
+    the line limit are checked after the last line, before the iterator ends, with the same typed
+    errors, so a consumer must not act on the lines before the iteration finished. What lies
+    past a line's episode id is the decoder's to check (:func:`~gymckpt.store.codec.decode_line`
+    raises :class:`~gymckpt.errors.RecordUndecodable`). Only gymckpt's own format: a
+    reference-format file (``expected.reference``) is refused with ``ValueError`` (read it with
+    :func:`read_records`).
+    """
+    if expected.reference:
+        raise ValueError("read_lines reads gymckpt's own records format; read a reference checkpoint with read_records")
+    reader = _ChunkReader(stream, chunk_size, _UNBOUNDED if expected.size is None else expected.size + 1)
+    reader.start()
+    limit = expected.line_limit
+    episode_ids: list[str] = []
+    damage: LineDamage | None = None
+    line_number = 0
+    try:
+        for lines in lines_of(reader.chunks(), limit):
+            for line in lines:
+                line_number += 1
+                if damage is not None:
+                    continue
+                if line is TOO_LONG:
+                    damage = too_long(line_number, limit)
+                    continue
+                try:
+                    episode_id = episode_id_of_line(line)
+                except RecordUndecodable as exc:
+                    damage = type(exc), f"line {line_number}: {exc.reason}"
+                    continue
+                episode_ids.append(episode_id)
+                if scope is None or episode_id in scope:
+                    yield episode_id, bytes(line)
+    finally:
+        reader.cancel()
+        reader.join()
+    _check_whole(reader, expected, line_number, damage, episode_ids)

@@ -17,7 +17,7 @@ from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, Inval
 from gymckpt.workers.coordinator_fields import manifest_body, merged_reply_extra
 from gymckpt.workers.gather import WorkerExport, gather_exports
 from gymckpt.workers.messages import Message
-from gymckpt.workers.scatter import ChunkSender, plan_scatter, scatter, survey
+from gymckpt.workers.scatter import ChunkSender, plan_scatter, scatter, scatter_lines, survey, survey_lines
 from gymckpt.workers.streams import CHUNK_BYTES, GatheredLines, LinePipe, LineRef, exported_records, exported_refs
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class RecordsAcrossWorkers:
         _gathered: Gathered | None
         _reply_extra: dict[str, Any]
         _holds: Callable[[dict[str, Any]], bool]
+        _holds_none: bool
 
         @property
         def fence(self) -> RetireMarks: ...
@@ -141,7 +142,15 @@ class RecordsAcrossWorkers:
         """
         await self._until_every_worker_joined()
         extra = manifest.extra if manifest is not None else {}
-        held, placed = await asyncio.to_thread(survey, records, self._holds)
+        # a session kind's records from gymckpt's own file: moved as undecoded lines (see gymckpt.workers.scatter)
+        lines: Callable[..., Iterable[tuple[str, bytes]]] | None = (
+            getattr(records, "lines", None) if getattr(records, "lines_readable", False) and self._holds_none else None
+        )
+        if lines is not None:
+            held: dict[str, EncodedRecord] = {}
+            placed = await asyncio.to_thread(survey_lines, lines(rekeyed=False))
+        else:
+            held, placed = await asyncio.to_thread(survey, records, self._holds)
         routing = {index: worker.routing_id for index, worker in self.workers.items()}
         plan = plan_scatter(placed, routing, extra)
         del placed
@@ -158,7 +167,10 @@ class RecordsAcrossWorkers:
             def submit(index: int, chunk: list[list[Any]]) -> concurrent.futures.Future[None]:
                 return asyncio.run_coroutine_threadsafe(self._send_chunk(index, stream, chunk), loop)
 
-            await asyncio.to_thread(scatter, records, plan, ChunkSender(submit), CHUNK_BYTES)
+            if lines is not None:
+                await asyncio.to_thread(scatter_lines, lines(), plan, ChunkSender(submit), CHUNK_BYTES)
+            else:
+                await asyncio.to_thread(scatter, records, plan, ChunkSender(submit), CHUNK_BYTES)
         base = {
             "stream": stream,
             "scope": list(scope),

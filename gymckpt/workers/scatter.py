@@ -15,29 +15,53 @@ loop), and never held together in the coordinator:
    for the answer to its previous one (:class:`ChunkSender`). The coordinator holds one
    record and a chunk or two per worker.
 
+Where the records file is gymckpt's own and the participant's kind holds no whole-episode
+records (a session kind: resources, model), both reads take the lines undecoded
+(:func:`survey_lines`, :func:`scatter_lines`): placement's fields are read from a line's
+bytes (:func:`placed_fields`; a line they cannot be read from is decoded), and a line goes to
+its worker as it was read, its owner stamped in its bytes. The coordinator then neither
+decodes nor encodes a session's state; its worker decodes the line once.
+
 Nothing is installed until every chunk arrived (the caller then sends ``install``): a
 damaged file or a worker lost on the way fails the restore with nothing installed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from gymckpt.errors import InvalidCheckpointState
-from gymckpt.store.codec import EncodedRecord, encoded
+from gymckpt.store.codec import EncodedRecord, decode_line, encoded
 from gymckpt.workers.coordinator_fields import owner_aliases, with_session_id, without_session_id
-from gymckpt.workers.placement import place_records
+from gymckpt.workers.placement import WHOLE_EPISODE, _no_record, place_records
 from gymckpt.workers.streams import CHUNK_BYTES
 
 if TYPE_CHECKING:
     import concurrent.futures
     from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["ChunkSender", "ScatterPlan", "plan_scatter", "scatter", "survey"]
+__all__ = [
+    "ChunkSender",
+    "ScatterPlan",
+    "holds_no_record",
+    "placed_fields",
+    "plan_scatter",
+    "scatter",
+    "scatter_lines",
+    "survey",
+    "survey_lines",
+]
 
 #: the fields of a session record placement reads
 _PLACED_FIELDS = ("episode_id", "owner", "session_id")
+#: a line's last member, an owner's routing id (as orjson or the exact encoder writes it; no newline)
+_OWNER_TAIL = re.compile(rb',"owner": ?"([0-9a-f]{32})"\}\Z')
+#: how far from a line's end :data:`_OWNER_TAIL` is looked for
+_TAIL_BYTES = 64
 
 
 @dataclass
@@ -163,6 +187,130 @@ def _scatter(
         del record
         pending.setdefault(index, []).append([position, line.decode("utf-8")])
         sizes[index] = sizes.get(index, 0) + len(line)
+        sent += 1
+        if sizes[index] >= limit:
+            send(index, pending.pop(index))
+            sizes[index] = 0
+    for index in sorted(pending):
+        send(index, pending.pop(index))
+    if sent != len(plan.targets):
+        raise InvalidCheckpointState(
+            f"the records file gave {sent} of the {len(plan.targets)} session records its first read placed"
+        )
+    return sent
+
+
+def holds_no_record(kind: str) -> bool:
+    """True for a kind whose records are all sessions (placement's table holds none of them whole)."""
+    return WHOLE_EPISODE.get(kind) is _no_record
+
+
+def _owner_tail(line: bytes) -> re.Match[bytes] | None:
+    return _OWNER_TAIL.search(line, max(0, len(line) - _TAIL_BYTES))
+
+
+#: quotes :func:`_names_a_placed_field` looks at one by one before it searches the line for the names
+_QUOTES_WALKED = 256
+
+
+def _names_a_placed_field(line: bytes, end: int) -> bool:
+    """True when ``line[:end]`` holds ``"owner"`` or ``"session_id"``.
+
+    Most of a session's bytes are long strings with few quotes: the quotes are found at memchr's
+    speed and each is looked at, several times faster than searching for the names; a line
+    with many quotes is searched.
+    """
+    find, at = line.find, line.startswith
+    position = find(b'"', 0, end)
+    for _ in range(_QUOTES_WALKED):
+        if position < 0:
+            return False
+        if at(b'"owner"', position, end) or at(b'"session_id"', position, end):
+            return True
+        position = find(b'"', position + 1, end)
+    return line.find(b'"owner"', 0, end) >= 0 or line.find(b'"session_id"', 0, end) >= 0
+
+
+def placed_fields(episode_id: str, line: bytes) -> dict[str, Any] | None:
+    """What placement reads of a session record (as :func:`survey` keeps it), from its line's bytes;
+    None when only decoding the line can tell.
+
+    Read from the bytes: a line whose only ``"owner"`` is its last member, a routing id (what a
+    worker's export stamps), or with neither ``"owner"`` nor ``"session_id"`` anywhere. Inside a
+    JSON string a quote is escaped, so these bytes outside the tail can only be a key or a value
+    of the line: then it is decoded.
+    """
+    tail = _owner_tail(line)
+    if _names_a_placed_field(line, len(line) if tail is None else tail.start()):
+        return None
+    if tail is None:
+        return {"episode_id": episode_id, "session_id": episode_id}
+    return {"episode_id": episode_id, "owner": tail.group(1).decode("ascii")}
+
+
+def survey_lines(lines: Iterable[tuple[str, bytes]]) -> list[dict[str, Any]]:
+    """The first read of undecoded lines (a kind without whole-episode records): what placement reads.
+
+    Each line comes with the key it is restored under; its own leading id is not read.
+    """
+    placed: list[dict[str, Any]] = []
+    for episode_id, line in lines:
+        fields = placed_fields(episode_id, line)
+        if fields is None:
+            record = decode_line(line)
+            record["episode_id"] = episode_id
+            fields = with_session_id({name: record[name] for name in _PLACED_FIELDS if name in record})
+        placed.append(fields)
+        del line
+    return placed
+
+
+def _prepared_line(episode_id: str, line: bytes, stamp: str | None) -> bytes:
+    """``line`` as :func:`_prepared` would encode its record (without the newline), copied at most once."""
+    if placed_fields(episode_id, line) is None:
+        _, encoded_line = encoded(_prepared(decode_line(line), stamp))
+        return encoded_line[:-1]
+    if stamp is None:
+        return line
+    tail = _owner_tail(line)
+    head = line[:-1] if tail is None else line[: tail.start()]  # the owner goes last, or in its place there
+    return b"".join((head, b',"owner":', orjson.dumps(stamp), b"}"))
+
+
+def scatter_lines(
+    lines: Iterable[tuple[str, bytes]],
+    plan: ScatterPlan,
+    send: Callable[[int, list[list[Any]]], None],
+    limit: int = CHUNK_BYTES,
+) -> int:
+    """:func:`scatter` over undecoded lines (:func:`survey_lines`' second read): each line goes as it was
+    read, its owner stamped in its bytes; returns the records sent."""
+    failed = True
+    try:
+        sent = _scatter_lines(lines, plan, send, limit)
+        failed = False
+    finally:
+        if isinstance(send, ChunkSender):
+            send.finish(failed=failed)
+    return sent
+
+
+def _scatter_lines(
+    lines: Iterable[tuple[str, bytes]], plan: ScatterPlan, send: Callable[[int, list[list[Any]]], None], limit: int
+) -> int:
+    pending: dict[int, list[list[Any]]] = {}
+    sizes: dict[int, int] = {}
+    sent = 0
+    for episode_id, line in lines:
+        target = plan.targets.get(episode_id)
+        if target is None:
+            continue
+        index, position, stamp = target
+        prepared = _prepared_line(episode_id, line, stamp)
+        del line
+        pending.setdefault(index, []).append([position, prepared.decode("utf-8")])
+        sizes[index] = sizes.get(index, 0) + len(prepared) + 1
+        del prepared
         sent += 1
         if sizes[index] >= limit:
             send(index, pending.pop(index))

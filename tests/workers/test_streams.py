@@ -16,9 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import gymckpt.workers.scatter as scatter_module
 from gymckpt.control.plane import ControlPlane
+from gymckpt.control.plane_restore import ScopeRecords
 from gymckpt.store import open_store
+from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
 from gymckpt.testing.participant import FakeParticipant
+from gymckpt.workers.coordinator_fields import with_session_id
+from gymckpt.workers.scatter import _prepared, _prepared_line, survey_lines
 from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging
 
 from ..support import error_code
@@ -166,6 +171,54 @@ async def test_a_restore_whose_shares_span_several_chunks_installs_exactly_the_r
         assert running.coordinator.held == {}
 
 
+async def test_a_session_kinds_restore_moves_lines_undecoded_through_the_coordinator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator neither decodes nor encodes a session's state: its worker decodes the line once."""
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+
+    def refuse(*args: object, **kwargs: object) -> Any:
+        raise AssertionError("the coordinator decoded or encoded a session record")
+
+    monkeypatch.setattr(ScopeRecords, "__iter__", refuse)
+    monkeypatch.setattr(scatter_module, "encoded", refuse)
+    monkeypatch.setattr(scatter_module, "decode_line", refuse, raising=False)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources") as running:
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 200, reply.text
+        installed = {
+            record["episode_id"]: (record, routing_id)
+            for worker, routing_id in zip(running.workers, ROUTING, strict=True)
+            for record in worker.fake.installed
+        }
+        assert sorted(installed) == sorted(f"{key}-a1" for key in keys)
+        for record in records:
+            restored, routing_id = installed[f"{record['episode_id']}-a1"]
+            assert list(restored) == ["episode_id", "state", "owner"]
+            assert restored["owner"] == routing_id
+            assert _same(restored["state"], record["state"])
+
+
+async def test_a_damaged_records_file_fails_a_lines_restore_typed_with_nothing_installed(tmp_path: Path) -> None:
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+    manifest, data = _records_file(tmp_path / "ck", kind="resources")
+    (tmp_path / "ck" / manifest.records_path).write_bytes(data[:-5] + b"X" + data[-4:])
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources") as running:
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 422, reply.text
+        assert error_code(reply) == "invalid_checkpoint_state"
+        assert "hashes to" in reply.json()["error"]["detail"]
+        assert all(worker.fake.installed == [] for worker in running.workers)
+
+
 async def test_a_worker_lost_in_the_middle_of_its_share_fails_the_restore_named_with_nothing_installed(
     tmp_path: Path,
 ) -> None:
@@ -233,3 +286,35 @@ async def test_a_workers_commit_and_restore_log_lines_carry_the_planes_steps(
     lines = {record.getMessage().split(" ", 1)[0]: record.getMessage() for record in caplog.records}
     assert re.search(r"read=\d+\.\d+s install=\d+\.\d+s", lines["restore"]), lines["restore"]
     assert re.search(r"export=\d+\.\d+s write=\d+\.\d+s", lines["commit"]), lines["commit"]
+
+
+_OWNER, _OTHER = "a" * 32, "b" * 32
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"episode_id": "k", "state": {"x": 'he said "owner"', "y": "session_id"}},
+        {"episode_id": "k", "state": 1, "owner": _OWNER},
+        {"episode_id": "k", "session_id": "s1", "state": 1},
+        {"episode_id": "k", "session_id": "k", "state": 1},
+        {"episode_id": "k", "owner": None, "state": 1},
+        {"episode_id": "k", "state": {"owner": _OWNER}, "owner": _OWNER},
+        {"episode_id": "k", "state": {"nan": float("nan"), "big": 2**70}, "owner": _OWNER},
+        {"episode_id": "k", "state": ['"q"'] * 400 + ["owner"]},
+    ],
+)
+@pytest.mark.parametrize("stamp", [None, _OTHER])
+def test_undecoded_lines_are_placed_and_stamped_as_their_decoded_records_are(
+    record: dict[str, Any], stamp: str | None
+) -> None:
+    line = encode_record(record)[1][:-1]
+    restored = {**record, "episode_id": "k-a1"}
+    [fields] = survey_lines([("k-a1", line)])
+    assert fields == with_session_id(
+        {name: restored[name] for name in ("episode_id", "owner", "session_id") if name in restored}
+    )
+    got = decode_line(_prepared_line("k-a1", rekeyed_line(line, "k-a1"), stamp))
+    want = decode_line(encode_record(_prepared(restored, stamp))[1])
+    assert list(got) == list(want)
+    assert repr(got) == repr(want)
