@@ -46,6 +46,12 @@ __all__ = ["demo_command"]
     type=click.IntRange(1, MAX_WORKERS),
     help="uvicorn workers of each Gym server after the crash (the restore lands on another worker count).",
 )
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    help="Three Ray nodes on this machine (root): kill the one holding the environment and agent, recover.",
+)
 def demo_command(
     rollouts: int,
     store_url: str,
@@ -55,6 +61,7 @@ def demo_command(
     episodes: int,
     workers: int,
     restore_workers: int,
+    on_ray: bool,
 ) -> None:
     """Checkpoint rollouts in flight, kill every server, restore, continue, verify.
 
@@ -65,11 +72,16 @@ def demo_command(
     continues each exported rollout, compares every result with the uninterrupted run,
     verifies the checkpoint offline and prints a table. Each Gym server runs --workers
     uvicorn workers before the crash and --restore-workers after it.
+    With --ray: a cluster of three Ray nodes in a network namespace of its own (root),
+    the stack spread over them, the node holding the environment and agent SIGKILLed,
+    every server placed again on the nodes left and restored (gymckpt.demo.ray_demo).
     Exit status: 0 success, 1 a rollout lost, a result different or a damaged
     checkpoint, 2 setup failure.
     """
     from gymckpt.demo import run_demo, run_s3_demo, run_s3_store_demo, run_store_demo
 
+    if on_ray:
+        _ray_demo(rollouts, seed, store_only or keep)
     if store_only:
         if store_url == "s3":
             try:
@@ -101,4 +113,17 @@ def demo_command(
             workers=workers,
             restore_workers=restore_workers,
         )
+    sys.exit(outcome.exit_code)
+
+
+def _ray_demo(rollouts: int, seed: int, incompatible: bool) -> None:
+    """``--ray``: the demo on three local Ray nodes; a machine that cannot run it is one line, exit status 2."""
+    from gymckpt.demo.ray_demo import RayDemoUnavailable, run_ray_demo
+
+    if incompatible:
+        fail("--ray takes --rollouts and --seed only (it checkpoints to its own S3 server and keeps nothing)")
+    try:
+        outcome = run_ray_demo(rollouts=rollouts, seed=seed, console=stdout(), progress_console=stderr())
+    except RayDemoUnavailable as exc:
+        fail(str(exc))
     sys.exit(outcome.exit_code)

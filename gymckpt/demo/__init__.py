@@ -9,6 +9,8 @@
 - :mod:`gymckpt.demo.s3`: ``--store s3``, both demos against an S3 endpoint served by moto
   inside the demo process (``run_s3_demo``, ``run_s3_store_demo``); needs
   ``pip install -e '.[demo-s3]'`` in the gymckpt clone.
+- :mod:`gymckpt.demo.ray_demo`: ``--ray``, the stack over a three-node Ray cluster on this
+  machine, the node holding the environment and agent killed and recovered from (``run_ray_demo``).
 - :mod:`gymckpt.demo.store_only`: ``--store-only``, the store alone: generated records of
   four participants written, published, verified and one scope restored, no servers.
 - :mod:`gymckpt.demo.report`: what a run found (``DemoOutcome``), the comparison, the table.

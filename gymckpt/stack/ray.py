@@ -6,7 +6,7 @@ the one :func:`~gymckpt.stack.supervisor.load_stack` reads, plus a ``ray:`` bloc
 
 1. makes one placement group of one bundle per server (``cpus_per_server`` CPUs and the
    server's ``ray.resources``; strategy ``spread`` or ``pack``) and waits until it fits;
-2. starts one :class:`HostActor` in each bundle: on its node it binds a free port on the
+2. starts one :class:`~gymckpt.stack.ray_host.HostActor` in each bundle: on its node it binds a free port on the
    node's address and reports ``http://<node address>:<port>``;
 3. resolves every ``"{name}"`` of the servers' configs to those URLs;
 4. with servers on more than one node, refuses checkpoint locations not every node sees
@@ -29,9 +29,16 @@ dies, and :meth:`RayStack.wait_lost` returns. :meth:`RayStack.replace` stops eve
 server (a restore needs fresh processes everywhere), removes the placement group and places
 every server again on the nodes alive; ``recover`` does that and the controller's
 restore of the last published checkpoint, again if a node dies meanwhile
-(:func:`gymckpt.stack.ray_recovery.recover`). The loss of Ray's head (its GCS) is :class:`~gymckpt.errors.RayHeadLost`: without Ray's external GCS store the
+(:func:`gymckpt.stack.ray_recovery.recover`). A node known lost (one of its host actors died)
+goes into :attr:`RayStack.lost_nodes` at once, and every later placement group excludes it
+(each bundle's label selector ``ray.io/node-id: !in(...)``): Ray itself declares a node dead
+only after its health checks miss a raylet for a while (about 15-30 s with its defaults), and
+until then its scheduler still counts the node's resources, so a placement could wait for that
+or try the dead node first. Ray never gives a node id to another raylet, so the set only grows.
+The loss of Ray's head (its GCS) is :class:`~gymckpt.errors.RayHeadLost`: without Ray's external GCS store the
 cluster itself cannot recover. A node Ray drains (``ray drain-node``, an autoscaler, a raylet's
-own SIGTERM) shows in :meth:`RayStack.draining_nodes` with its deadline before it goes.
+own SIGTERM) shows in :meth:`RayStack.draining_nodes` with its deadline before it goes;
+:meth:`RayStack.watch_drains` turns each drain into a preemption notice.
 
 :class:`RayStack` answers what :class:`~gymckpt.stack.harness.RolloutHarness` asks of a
 stack (``servers``, ``urls``, ``kill``, ``start``, ``close``): URLs change with each
@@ -43,31 +50,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import ray
-import yaml
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from gymckpt.errors import NodeLost, RayHeadLost, RayStackError, SharedStorageRequired
-from gymckpt.stack.lifeline import group_members
+from gymckpt.stack.drain_watch import DrainWatcher
+from gymckpt.stack.ray_host import STOP_TIMEOUT, HostActor
 from gymckpt.stack.ray_plan import RayOptions, checkpoint_locations, local_path, read_probe, remove_probe, write_probe
 from gymckpt.stack.supervisor import checked_stack, server_configs
-from gymckpt.transport import LISTEN_BACKLOG
 
 if TYPE_CHECKING:
+    import threading
     from collections.abc import Callable
 
 __all__ = ["HostActor", "RayServer", "RayStack"]
@@ -76,99 +77,28 @@ logger = logging.getLogger(__name__)
 
 #: seconds a placement (the group fitting, the actors answering) may take
 PLACE_TIMEOUT = 60.0
-#: seconds an actor's stop may take before the actor is killed anyway
-STOP_TIMEOUT = 30.0
 #: seconds the GCS has to accept a TCP connection before the head counts as gone
 HEAD_PROBE_SECONDS = 2.0
 #: seconds the other host actors of a lost one's node have to be reported dead too
 NODE_MATES_SECONDS = 10.0
+#: the label Ray gives every node: its node id (a placement's label selectors exclude lost nodes by it)
+NODE_ID_LABEL = "ray.io/node-id"
 
 
-class HostActor:
-    """The Ray actor that holds one server on its node: its socket, its process group, its log."""
+def raylet_gone(node: dict[str, Any]) -> bool:
+    """Whether a node's raylet (an entry of ``ray.nodes()``) refuses a TCP connection, or does not take one in time.
 
-    def __init__(self, name: str, cwd: str, environment: dict[str, str]) -> None:
-        self.name = name
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.ip = ray.util.get_node_ip_address()
-        self.sock = socket.create_server((self.ip, 0), backlog=LISTEN_BACKLOG)
-        self.sock.set_inheritable(True)
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"gymckpt-ray-{name}-"))
-        self.log_path = self.workdir / f"{name}.log"
-        self.cwd = cwd if Path(cwd).is_dir() else str(self.workdir)
-        self.environment = environment
-        self.process: subprocess.Popen[bytes] | None = None
-        self._lifeline: int | None = None
-        self._started = threading.Event()
-
-    def where(self) -> dict[str, Any]:
-        """Where the server will listen: node id, node address, URL, this actor's pid, the log's path."""
-        port = self.sock.getsockname()[1]
-        return {
-            "node_id": self.node_id,
-            "ip": self.ip,
-            "url": f"http://{self.ip}:{port}",
-            "actor_pid": os.getpid(),
-            "log": str(self.log_path),
-        }
-
-    def start(self, what: list[str], config: dict[str, Any], workers: int) -> int:
-        """Start the server's process group on the bound socket, under a lifeline; its leader's pid."""
-        config_file = self.workdir / f"{self.name}.yaml"
-        config_file.write_text(yaml.safe_dump(config))
-        fd = self.sock.fileno()
-        serve = [sys.executable, "-m", "gymckpt", "serve", *what, "--fd", str(fd), "--config", str(config_file)]
-        command = [sys.executable, "-m", "gymckpt.stack.lifeline", "--keep-fd", str(fd), "--", *serve]
-        read_end, self._lifeline = os.pipe()
-        try:
-            with self.log_path.open("ab") as log:
-                self.process = subprocess.Popen(
-                    [*command, "--workers", str(workers)],
-                    stdin=read_end,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(fd,),
-                    start_new_session=True,
-                    cwd=self.cwd,
-                    env={**os.environ, **self.environment},
-                )
-        finally:
-            os.close(read_end)
-        self._started.set()
-        return self.process.pid
-
-    def wait_exit(self) -> int:
-        """Block until the server's process group leader exits; its status (an actor's death fails this call)."""
-        self._started.wait()
-        assert self.process is not None
-        return self.process.wait()
-
-    def stop(self) -> None:
-        """SIGKILL the server's whole process group, wait until it is empty, remove the files (bounded)."""
-        if self._lifeline is not None:
-            os.close(self._lifeline)
-            self._lifeline = None
-        if self.process is not None:
-            pgid = self.process.pid
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(STOP_TIMEOUT)
-            deadline = time.monotonic() + STOP_TIMEOUT
-            while group_members(pgid) and time.monotonic() < deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                time.sleep(0.02)
-        self.sock.close()
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def remove_files(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
+    A host actor that died on a node whose raylet still answers lost its process, not its node.
+    """
+    try:
+        address = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+    except (KeyError, TypeError, ValueError):
+        return False  # Ray did not say where its raylet listens: only Ray's own node state tells
+    try:
+        with socket.create_connection(address, timeout=HEAD_PROBE_SECONDS):
+            return False
+    except OSError:
+        return True
 
 
 @dataclass
@@ -186,6 +116,8 @@ class RayServer:
     log_path: Path = field(default_factory=lambda: Path(os.devnull))
     actor: Any = None
     exit_ref: Any = None
+    #: set once the host actor is known dead (its node, or its process, lost): nothing more is asked of it
+    dead: bool = False
     #: a harness lists pids of local processes: a server on a Ray node has none here
     process: None = None
 
@@ -225,6 +157,8 @@ class RayStack:
         }
         #: server → node id, one mapping per placement made (the first is the first placement)
         self.placements: list[dict[str, str]] = []
+        #: node ids known lost (a host actor of theirs died): no later placement puts a server there
+        self.lost_nodes: set[str] = set()
         self._group: PlacementGroup | None = None
         self._connected_here = False
         self._gcs_address: str | None = None
@@ -269,6 +203,11 @@ class RayStack:
         used = {server.node_id for server in self.servers.values()}
         return {node: deadline for node, deadline in draining.items() if node in used}
 
+    def watch_drains(self, notice: Callable[..., None], *, poll_seconds: float = 1.0) -> DrainWatcher:
+        """A started :class:`~gymckpt.stack.drain_watch.DrainWatcher` of this stack's nodes: ``notice`` (a
+        :class:`~gymckpt.control.preemption.PreemptionGuard`'s) is called once per drain, with its deadline."""
+        return DrainWatcher(self.draining_nodes, notice, poll_seconds=poll_seconds).start()
+
     # --- placing
 
     @property
@@ -307,7 +246,13 @@ class RayStack:
     def _place(self, timeout: float, resources: dict[str, dict[str, float]]) -> None:
         names = list(self.servers)
         bundles = [{"CPU": self.options.cpus_per_server, **resources.get(name, {})} for name in names]
-        self._group = placement_group(bundles, strategy=self.options.strategy, name=f"gymckpt-{os.getpid()}")
+        began = time.monotonic()
+        self._group = placement_group(
+            bundles,
+            strategy=self.options.strategy,
+            name=f"gymckpt-{os.getpid()}",
+            bundle_label_selector=self._selectors(len(bundles)),
+        )
         try:
             ray.get(self._group.ready(), timeout=timeout)
         except GetTimeoutError:
@@ -317,6 +262,12 @@ class RayStack:
                 f"{self.options.placement}) did not fit on the {alive} nodes alive within {timeout:.0f} s: "
                 "lower ray.cpus_per_server, add nodes, or drop a ray.resources no node alive has"
             ) from None
+        logger.info(
+            "placement group of %d bundles ready in %.2f s (%d nodes excluded as lost)",
+            len(bundles),
+            time.monotonic() - began,
+            len(self.lost_nodes),
+        )
         cwd = os.getcwd()
         environment = {key: value for key, value in os.environ.items() if key.startswith(("GYMCKPT_", "OTEL_"))}
         remote = ray.remote(HostActor)
@@ -329,10 +280,17 @@ class RayStack:
                 max_concurrency=4,  # wait_exit blocks one thread; stop and log_tail need others
                 max_restarts=0,
             ).remote(name, cwd, environment)
+            self.servers[name].dead = False
         wheres = self._get([server.actor.where.remote() for server in self.servers.values()], timeout, "answering")
         for server, where in zip(self.servers.values(), wheres, strict=True):
             server.url, server.node_id, server.ip = where["url"], where["node_id"], where["ip"]
             server.log_path = Path(where["log"])
+        logger.info("host actors answering %.2f s after the placement began", time.monotonic() - began)
+        if placed_lost := sorted({server.node_id for server in self.servers.values()} & self.lost_nodes):
+            raise NodeLost(
+                f"Ray placed servers on node {', '.join(n[:8] for n in placed_lost)}, known lost: place the stack again",
+                placed_lost,
+            )
         configs = server_configs(self.entries, self.checkpoint, self.urls, self.path)
         self.check_storage()
         started = []
@@ -342,6 +300,13 @@ class RayStack:
         self._get(started, timeout, "starting its server")
         for server in self.servers.values():
             server.exit_ref = server.actor.wait_exit.remote()
+        logger.info("servers started %.2f s after the placement began", time.monotonic() - began)
+
+    def _selectors(self, count: int) -> list[dict[str, str]] | None:
+        """Each bundle's label selector: not on a node known lost (None: no node lost)."""
+        if not self.lost_nodes:
+            return None
+        return [{NODE_ID_LABEL: f"!in({','.join(sorted(self.lost_nodes))})"}] * count
 
     def _get(self, refs: list[Any], timeout: float, doing: str) -> list[Any]:
         try:
@@ -418,7 +383,14 @@ class RayStack:
             self.check_head()
         alive = self.alive_nodes()
         dead.extend(name for name, server in self.servers.items() if server.node_id and server.node_id not in alive)
-        return sorted(set(dead))
+        dead = sorted(set(dead))
+        for name in dead:
+            self.servers[name].dead = True
+        for node in {self.servers[name].node_id for name in dead} - self.lost_nodes - {""}:
+            if node not in alive or raylet_gone(alive[node]):
+                logger.info("node %s lost (its host actors died, its raylet does not answer): placed on no more", node)
+                self.lost_nodes.add(node)
+        return dead
 
     def wait_lost(self, timeout: float) -> list[str]:
         """Wait up to ``timeout`` s for a host actor's death (or a server's exit); the servers lost (see :meth:`lost`)."""
@@ -463,29 +435,41 @@ class RayStack:
                 server.actor = server.exit_ref = None
             self._group = None
             return
+        began = time.monotonic()
         servers = [server for server in self.servers.values() if server.actor is not None]
-        stops = {}
+        # an actor known dead is asked nothing (each call would wait for Ray to fail it); its lifeline
+        # took its servers with it. The others stop at once, all together, then remove their files.
+        living = [server for server in servers if not server.dead]
+        self._ask_all(living, "stop")
+        self._ask_all(living, "remove_files")
         for server in servers:
-            with contextlib.suppress(Exception):
-                stops[server.name] = server.actor.stop.remote()
-        for name, ref in stops.items():
-            try:
-                ray.get(ref, timeout=STOP_TIMEOUT)
-            except RayActorError:
-                pass  # its node is gone, and the lifeline took its servers with it
-            except Exception as exc:  # the actor is killed below: its lifeline ends the group
-                logger.warning("stopping %s: %s", name, exc)
-        for server in servers:
-            with contextlib.suppress(Exception):
-                ray.get(server.actor.remove_files.remote(), timeout=STOP_TIMEOUT)
             with contextlib.suppress(Exception):
                 ray.kill(server.actor, no_restart=True)
             server.actor = server.exit_ref = None
             server.url = server.node_id = server.ip = ""
+            server.dead = False
         if self._group is not None:
             with contextlib.suppress(Exception):
                 remove_placement_group(self._group)
             self._group = None
+        if servers:
+            logger.info("%d servers stopped in %.2f s", len(servers), time.monotonic() - began)
+
+    def _ask_all(self, servers: list[RayServer], method: str) -> None:
+        """Call ``method`` of each server's actor, all at once; wait (bounded) for every reply, logging failures."""
+        refs = {}
+        for server in servers:
+            with contextlib.suppress(Exception):
+                refs[server.name] = getattr(server.actor, method).remote()
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=STOP_TIMEOUT)
+        for name, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                pass  # its node is gone, and the lifeline took its servers with it
+            except Exception as exc:  # the actor is killed after: its lifeline ends the group
+                logger.warning("%s of %s: %s", method, name, " ".join(str(exc).split()))
 
     def replace(
         self,

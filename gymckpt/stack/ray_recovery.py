@@ -3,7 +3,9 @@
 :func:`recover` is the controller's side of M3: every server placed again on the nodes alive
 (:meth:`~gymckpt.stack.ray.RayStack.replace`), the checkpoint restored through the harness's
 coordinator, every participant resumed; a node lost meanwhile fails that restore, and a new
-placement and restore follow. Ray is reached only through the :class:`~gymckpt.stack.ray.RayStack`.
+placement and restore follow. Each placement leaves out every node the stack knows lost
+(:attr:`~gymckpt.stack.ray.RayStack.lost_nodes`), so it does not wait for Ray's health checks
+to declare those nodes dead. Ray is reached only through the :class:`~gymckpt.stack.ray.RayStack`.
 """
 
 from __future__ import annotations

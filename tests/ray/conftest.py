@@ -6,6 +6,7 @@
   ``ip``, ``unshare`` or the ray package missing) the tests are skipped with a message
   saying what is needed, and fail instead when ``GYMCKPT_REQUIRE_RAY`` is set.
   Its teardown fails the module if a process of the cluster or its namespace is left.
+  :func:`started_cluster` makes it (test_moosefs.py's own ``cluster`` uses it too).
 - ``run_scenario``: runs ``tests/ray/scenario.py``'s scenario in the cluster's namespace
   (the controller is a Ray driver: it must reach 127.0.0.1 of the namespace) and returns
   the JSON it wrote.
@@ -13,10 +14,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,25 +42,33 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+@contextlib.contextmanager
+def started_cluster(prefix: str) -> Iterator[RayCluster]:
+    """A started three-node :class:`RayCluster` under a short new ``/tmp/<prefix>-*`` directory (Ray's
+    Unix sockets live under it: AF_UNIX paths are short); skipped (or failed, see the module) where this
+    machine cannot run it. On exit every process and the namespace are gone, or the exit fails naming them."""
     lacking = missing()
     if lacking:
         _unavailable(install_hint(lacking))
-    base = Path(tmp_path_factory.mktemp("ray"))
-    # Ray's Unix sockets live under the cluster's directory: keep its path short (AF_UNIX)
-    short = Path("/tmp") / f"gr-{os.getpid()}-{base.name[-6:]}"
+    short = Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir="/tmp"))
     made = RayCluster(short, workers=2, cpus=4, private_dir=short / "local")
     try:
         made.start()
     except RayClusterUnavailable as exc:
+        shutil.rmtree(short, ignore_errors=True)
         _unavailable(str(exc))
     try:
         yield made
     finally:
         left = made.close()
-        subprocess.run(["rm", "-rf", str(short)], check=False)
+        shutil.rmtree(short, ignore_errors=True)
     assert not left, f"the Ray cluster's teardown left: {left}"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RayCluster]:
+    with started_cluster("gr") as made:
+        yield made
 
 
 def cluster_request(cluster: RayCluster, **fields: Any) -> dict[str, Any]:

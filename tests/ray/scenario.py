@@ -83,6 +83,26 @@ def refuse(request: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
+def avoid(request: dict[str, Any]) -> dict[str, Any]:
+    """A node the launcher counts as lost (here: alive, marked by hand) gets no server of a later placement."""
+    from gymckpt.stack.ray import RayStack
+
+    names_of = {node_id: name for name, node_id in request["node_ids"].items()}
+    avoided = request["node_ids"][request["avoid"]]
+    spec = {
+        "ray": {"placement": "spread", "cpus_per_server": 0.5},
+        "servers": [{"name": f"s{index}", "kind": "counter"} for index in range(6)],
+    }
+    seen: dict[str, Any] = {}
+    with RayStack(spec, address=request["address"]) as stack:
+        seen["first"] = sorted({names_of.get(node, node) for node in stack.place().values()})
+        stack.lost_nodes.add(avoided)
+        seen["again"] = sorted({names_of.get(node, node) for node in stack.replace().values()})
+        seen["lost_servers"] = stack.lost()
+    seen["left_after_close"] = _ray_alive_state() if _connect(request["address"]) else None
+    return seen
+
+
 def _connect(address: str) -> bool:
     import logging
 
@@ -180,6 +200,7 @@ async def _recover(request: dict[str, Any]) -> dict[str, Any]:
             await asyncio.to_thread(cluster.kill_node, victim)
             lost = await asyncio.to_thread(stack.wait_lost, 30.0)
             seen["lost"], seen["detect_seconds"] = lost, time.monotonic() - killed_at
+            seen["lost_nodes_at_loss"] = sorted(names_of.get(node, node) for node in stack.lost_nodes)
             for task in runs.values():
                 task.cancel()
             await asyncio.gather(*runs.values(), return_exceptions=True)
@@ -209,6 +230,7 @@ async def _recover(request: dict[str, Any]) -> dict[str, Any]:
                 keep_resources=False,  # the node holding "worker" may be the next to go
             )
             seen["second"] = second
+            seen["lost_nodes"] = sorted(names_of.get(node, node) for node in stack.lost_nodes)
             seen["failures"] = recovery.failures
             seen["placements"] = [{n: names_of.get(node, node) for n, node in p.items()} for p in recovery.placements]
             kinds = recovery.coordinator.kinds
@@ -248,6 +270,128 @@ def recover_scenario(request: dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(asyncio.wait_for(_recover(request), 600))
 
 
+def _request_drain(node_id: str, seconds: float) -> dict[str, Any]:
+    """Ask Ray to drain ``node_id`` as a preemption does, its deadline ``seconds`` from now."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = int((time.time() + seconds) * 1000)
+    accepted, why = ray._private.worker.global_worker.gcs_client.drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.DRAIN_NODE_REASON_PREEMPTION, "a test's preemption", deadline_ms
+    )
+    return {"accepted": accepted, "rejection": why, "deadline_ms": deadline_ms}
+
+
+async def _drain_mid_checkpoint(request: dict[str, Any]) -> dict[str, Any]:
+    """A node holding servers is drained while the guard's checkpoint is open (after prepare replied):
+    the launcher's drain watcher tells the guard, which finishes that checkpoint and starts no other."""
+    from gymckpt.control.coordination import Coordinator
+    from gymckpt.control.preemption import PreemptionGuard
+    from gymckpt.stack.ray import RayStack
+    from gymckpt.store import verify
+    from gymckpt.testing.moto import MotoEndpoint
+
+    class Hooked(Coordinator):
+        """Awaits ``hook`` once prepare replied (the checkpoint is open then)."""
+
+        hook: Any = None
+
+        async def prepare(self, checkpoint_id: str, deadline_ts: float) -> Any:
+            prepared = await super().prepare(checkpoint_id, deadline_ts)
+            hook, self.hook = self.hook, None
+            if hook is not None:
+                await hook()
+            return prepared
+
+    names_of = {node_id: name for name, node_id in request["node_ids"].items()}
+    seen: dict[str, Any] = {}
+    with MotoEndpoint() as endpoint:
+        endpoint.create_bucket("ckpt")
+        options = endpoint.storage_options()
+        spec = default_stack_spec(token=TOKEN, storage_options=options, token_delay_seconds=0.03)
+        spec["ray"] = {
+            "placement": "spread",
+            "cpus_per_server": 0.5,
+            "checkpoint_dir": "s3://ckpt/drain",
+            "resources": {"environment": {"node1": 0.01}, "agent": {"node1": 0.01}},
+        }
+        stack = RayStack(spec, address=request["address"])
+        harness = RolloutHarness(stack, TOKEN, request_timeout=WAIT)  # type: ignore[arg-type]
+        gym: Hooked | None = None
+        runs: dict[str, asyncio.Task[Any]] = {}
+        try:
+            placed = await asyncio.to_thread(stack.place)
+            seen["placed"] = {name: names_of.get(node, node) for name, node in placed.items()}
+            await (await harness.wait_ready(timeout=WAIT)).close()
+            gym = Hooked([harness.urls[name] for name in harness.gym_servers], token=TOKEN, storage_options=options)
+            (await gym.discover()).raise_for_problems()
+            runs = {f"d{i}": asyncio.create_task(harness.run(f"d{i}", task_for(i))) for i in range(4)}
+            deadline = time.monotonic() + WAIT
+            while not {str(c["call_id"]).rsplit(":", 1)[0] for c in await harness.model_calls()} >= set(runs):
+                assert time.monotonic() < deadline, f"not every rollout made a model call within {WAIT} s"
+                await asyncio.sleep(0.05)
+            guard = PreemptionGuard(
+                gym,
+                grace_seconds=WAIT,
+                checkpoint_root="s3://ckpt/drain",
+                in_flight=lambda: [key for key, run in runs.items() if not run.done()],
+                signals=(),
+            )
+            node = stack.servers["environment"].node_id
+            seen["drained"] = names_of.get(node, node)
+
+            async def drain_while_open() -> None:
+                seen["open_at_drain"] = guard.open_checkpoint
+                seen["drain"] = await asyncio.to_thread(_request_drain, node, float(request.get("drain_seconds", 60)))
+                until = time.monotonic() + WAIT
+                while not guard.noticed and time.monotonic() < until:
+                    await asyncio.sleep(0.05)
+
+            gym.hook = drain_while_open
+            async with guard:
+                with stack.watch_drains(guard.notice, poll_seconds=0.5) as watcher:
+                    outcome = await guard.checkpoint("ck-drain")
+                    result = await guard.wait()
+                    # the drain stays: polls after the notice tell the guard nothing more
+                    after = watcher.polls
+                    until = time.monotonic() + WAIT
+                    while watcher.polls < after + 3 and time.monotonic() < until:
+                        await asyncio.sleep(0.1)
+                    seen["polls_after"] = watcher.polls - after
+                    seen["noticed"] = dict(watcher.noticed)
+                    seen["watch_error"] = watcher.error
+            seen["notices"] = guard.notices
+            seen["result"] = {
+                "reason": result.reason,
+                "grace_seconds": result.grace_seconds,
+                "seconds": result.seconds,
+                "finished_open": result.finished_open,
+                "ok": result.ok,
+                "line": result.line(),
+            }
+            seen["checkpoint"] = {
+                "id": outcome.checkpoint_id,
+                "published": outcome.published,
+                "stopped": outcome.stopped,
+                "continued": list(outcome.continued),
+                "error": outcome.error,
+            }
+            seen["node_id"] = node
+            seen["verified"] = (await asyncio.to_thread(verify, outcome.directory, **options)).ok
+        finally:
+            for run in runs.values():
+                run.cancel()
+            await asyncio.gather(*runs.values(), return_exceptions=True)
+            if gym is not None:
+                await gym.close()
+            await harness.close()
+    return seen
+
+
+def drain(request: dict[str, Any]) -> dict[str, Any]:
+    return asyncio.run(asyncio.wait_for(_drain_mid_checkpoint(request), 600))
+
+
 def head(request: dict[str, Any]) -> dict[str, Any]:
     """The head node dies under a placed stack: the launcher says so, once, and closes without the cluster."""
     from gymckpt.errors import RayHeadLost
@@ -280,7 +424,14 @@ def state(request: dict[str, Any]) -> dict[str, Any]:
     return _ray_alive_state()
 
 
-SCENARIOS = {"refuse": refuse, "recover": recover_scenario, "state": state, "head": head}
+SCENARIOS = {
+    "avoid": avoid,
+    "refuse": refuse,
+    "recover": recover_scenario,
+    "state": state,
+    "head": head,
+    "drain": drain,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -51,6 +51,17 @@ def test_a_local_directory_is_refused_with_servers_on_two_nodes(
     assert seen["left_after_close"] == {"actors": 0, "placement_groups": 0}
 
 
+def test_a_node_known_lost_gets_no_server_of_a_later_placement(
+    cluster: RayCluster, run_scenario: Callable[..., dict[str, Any]]
+) -> None:
+    # six servers spread over three nodes, then placed again with node2 counted as lost (it is alive)
+    seen = run_scenario("avoid", avoid="node2")
+    assert seen["first"] == ["head", "node1", "node2"], seen
+    assert "node2" not in seen["again"] and seen["again"], seen
+    assert seen["lost_servers"] == []
+    assert seen["left_after_close"] == {"actors": 0, "placement_groups": 0}
+
+
 def _server_processes(cluster: RayCluster) -> list[int]:
     """Every ``gymckpt serve`` process (and lifeline) running on any node of the cluster."""
     found = []
@@ -149,9 +160,13 @@ def test_losing_a_node_then_another_during_the_restore(
     assert drained["seen"] == {ids[seen["killed"]]: drained["deadline_ms"]}
     # the launcher learned of the loss: the servers of the killed node, and no other
     assert seen["lost"] == seen["killed_servers"] and "environment" in seen["lost"]
+    # the killed node was known lost at once (its raylet refused the launcher), and no placement after went there
+    assert seen["lost_nodes_at_loss"] == [seen["killed"]]
+    assert all(seen["killed"] not in placement.values() for placement in seen["placements"]), seen["placements"]
     # the first placement after the loss lost the other worker node during its restore, which failed;
     # the next placement (on the head alone) restored
     assert seen["second"].get("killed") is not None, f"the second placement held no server on a worker: {seen}"
+    assert seen["lost_nodes"] == sorted([seen["killed"], seen["second"]["killed"]])
     assert len(seen["failures"]) == 1 and "lost" in seen["failures"][0]
     assert len(seen["placements"]) == 2
     assert set(seen["placements"][-1].values()) == {"head"}

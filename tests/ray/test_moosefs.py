@@ -10,19 +10,18 @@ restored from the shared filesystem, and every rollout ends with its uninterrupt
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gymckpt.testing.raycluster import RayCluster, RayClusterUnavailable, install_hint, missing
 from gymckpt.testing.sharedfs import MooseFS, SharedFsUnavailable, missing_requirements
 from gymckpt.testing.sharedfs import install_hint as sharedfs_hint
-from tests.ray.conftest import _unavailable
+from tests.ray.conftest import started_cluster
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
+
+    from gymckpt.testing.raycluster import RayCluster
 
 pytestmark = pytest.mark.slow
 
@@ -48,24 +47,10 @@ def moosefs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooseFS]:
 
 
 @pytest.fixture(scope="module")
-def cluster(moosefs: MooseFS, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+def cluster(moosefs: MooseFS) -> Iterator[RayCluster]:
     """The cluster of conftest.py, started once MooseFS is mounted (a node's mount namespace copies the mounts)."""
-    lacking = missing()
-    if lacking:
-        _unavailable(install_hint(lacking))
-    base = Path(tmp_path_factory.mktemp("ray"))
-    short = Path("/tmp") / f"gm-{os.getpid()}-{base.name[-6:]}"
-    made = RayCluster(short, workers=2, cpus=4, private_dir=short / "local")
-    try:
-        made.start()
-    except RayClusterUnavailable as exc:
-        _unavailable(str(exc))
-    try:
+    with started_cluster("gm") as made:
         yield made
-    finally:
-        left = made.close()
-        shutil.rmtree(short, ignore_errors=True)
-    assert not left, f"the Ray cluster's teardown left: {left}"
 
 
 def test_recovery_from_a_checkpoint_on_a_shared_filesystem(
