@@ -43,9 +43,10 @@ evaluations) are admitted and tracked, but never cut or exported.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -87,6 +88,16 @@ class CallState(StrEnum):
     ENDED = "ended"
 
 
+#: a ticket id is this process's random salt and a serial: unique, and no system call per model call
+_TICKET_SALT = secrets.token_hex(8)
+_TICKET_SERIALS = itertools.count()
+
+
+def next_ticket_id() -> str:
+    """A new ticket id (32 hex digits, as the generation-cut inventory requires), unique across processes."""
+    return f"{_TICKET_SALT}{next(_TICKET_SERIALS):016x}"
+
+
 @dataclass(eq=False)
 class ModelCall:
     """One ``/v1/responses`` call of one episode attempt (``episode`` None: no rollout prefix)."""
@@ -105,7 +116,7 @@ class ModelCall:
     request_digest: str = ""
     #: why this call is never cut (constrained decoding), or None
     constrained: str | None = None
-    ticket_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    ticket_id: str = field(default_factory=next_ticket_id)
     admitted_at: float = field(default_factory=time.time)
     #: the continuation this checkpoint's cut gave (None: not cut)
     cut: dict[str, Any] | None = None

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response  # noqa: TC002 - FastAPI resolves handler annotations at runtime
 
 from gymckpt.control.responses import error_response
 from gymckpt.errors import (
@@ -45,6 +46,7 @@ from gymckpt.errors import (
     AgentRequestError,
     DownstreamError,
     InvalidCheckpointState,
+    InvalidRequest,
     InvalidRolloutId,
     RestoredInputMismatch,
 )
@@ -59,6 +61,7 @@ from gymckpt.participants.agent import (
 from gymckpt.participants.rollout import current_episode, episode_context
 from gymckpt.participants.steps import StepMode
 from gymckpt.servers.base import Downstream, ServerConfig, build_app
+from gymckpt.servers.json_body import FastJSONResponse, canonical_json, parse_json, read_json_object
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -107,6 +110,26 @@ class ResponsesBody(BaseModel):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     expected_tool: str | None = None
 
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> ResponsesBody:
+        """The activation of a decoded JSON body: the field types checked, the input neither validated item by
+        item nor copied; :class:`~gymckpt.errors.InvalidRequest` (422) naming a bad field."""
+        value = body.get("input")
+        if not isinstance(value, str) and not (
+            isinstance(value, list) and all(isinstance(item, dict) for item in value)
+        ):
+            raise InvalidRequest("input: must be a string or a list of objects")
+        tools = body.get("tools", [])
+        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+            raise InvalidRequest("tools: must be a list of objects")
+        for name in ("resources_url", "expected_tool"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise InvalidRequest(f"{name}: must be a string")
+        if "_fields_set" in body:
+            raise InvalidRequest("_fields_set: not a field of an activation")
+        values = {"resources_url": None, "tools": tools, "expected_tool": None, **body}
+        return cls.model_construct(_fields_set=set(body), **values)
+
     def items(self) -> list[dict[str, Any]]:
         return _items(self.input)
 
@@ -121,9 +144,7 @@ def _items(value: object) -> list[dict[str, Any]]:
 
 def input_digest(items: list[dict[str, Any]]) -> str:
     """The sha256 of an activation's input (canonical JSON), to recognise a replayed activation."""
-    return hashlib.sha256(
-        json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    ).hexdigest()
+    return hashlib.sha256(canonical_json(items)).hexdigest()
 
 
 # ----------------------------------------------------------------------------- conversation state
@@ -570,28 +591,31 @@ def build_agent_app(config: AgentConfig) -> FastAPI:
         episode = current_episode()
         return episode.capture_key if episode is not None else None
 
+    # bodies are read here (orjson, the field types checked) and replies written by orjson:
+    # FastAPI's validation and serialisation of every request and reply is the larger share of a cheap route
     @app.post("/v1/responses")
-    async def responses(body: ResponsesBody) -> dict[str, Any]:
+    async def responses(request: Request) -> Response:
+        body = ResponsesBody.from_body(await read_json_object(request))
         key = episode_key()
         if participant is None:
-            return await agent.respond(key, body, PlainActivation(key))
-        return await participant.run(key, lambda activation: agent.respond(key, body, activation))
+            return FastJSONResponse(await agent.respond(key, body, PlainActivation(key)))
+        return FastJSONResponse(await participant.run(key, lambda activation: agent.respond(key, body, activation)))
 
     @app.post("/close_session")
-    async def close_session() -> dict[str, Any]:
+    async def close_session() -> Response:
         key = episode_key()
         if participant is not None:
             await participant.close_session(key)
         agent.close_session(key)
         if (episode := current_episode()) is not None:
             downstream.forget_episode(episode)
-        return {"closed": True}
+        return FastJSONResponse({"closed": True})
 
     @app.post("/run")
-    async def run(request: Request) -> dict[str, Any]:
+    async def run(request: Request) -> Response:
         try:
-            row = await request.json()
-        except ValueError as exc:
+            row = parse_json(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
             raise AgentRequestError(f"a /run body must be JSON: {exc}") from exc
         if not isinstance(row, dict):
             raise AgentRequestError("a /run body must be a JSON object (a flat row)")
@@ -612,8 +636,10 @@ def build_agent_app(config: AgentConfig) -> FastAPI:
         with episode_context(episode):
             try:
                 if participant is None:
-                    return await agent.run_legacy(row, PlainActivation(key))
-                return await participant.run(key, lambda activation: agent.run_legacy(row, activation), kind=RUN)
+                    return FastJSONResponse(await agent.run_legacy(row, PlainActivation(key)))
+                return FastJSONResponse(
+                    await participant.run(key, lambda activation: agent.run_legacy(row, activation), kind=RUN)
+                )
             finally:
                 if episode is not None:
                     downstream.forget_episode(episode)

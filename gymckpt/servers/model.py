@@ -39,17 +39,19 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from fastapi.responses import JSONResponse
+from fastapi import Request  # noqa: TC002 - FastAPI resolves handler annotations at runtime
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from gymckpt import transport
 from gymckpt.control.responses import error_response
-from gymckpt.errors import DownstreamError, GenerationCutMismatch, InferenceFailed, StaleAttempt
+from gymckpt.errors import DownstreamError, GenerationCutMismatch, InferenceFailed, InvalidRequest, StaleAttempt
 from gymckpt.participants.model import ModelParticipant
 from gymckpt.participants.rollout import current_episode
-from gymckpt.servers.base import Downstream, ServerConfig, build_app, server_workers
-from gymckpt.servers.inference import GENERATION_CUT_ROUTE, inventory_digest, prefix_digest
+from gymckpt.servers.base import Downstream, ServerConfig, build_app
+from gymckpt.servers.inference_wire import prefix_digest
+from gymckpt.servers.json_body import FastJSONResponse, canonical_json, read_json_object
+from gymckpt.servers.model_cut_client import GenerationCutClient
+from gymckpt.servers.responses_api import responses_api_reply
 from gymckpt.servers.token_codec import TOKEN_ENCODING, pack_logprobs, pack_token_ids
 
 if TYPE_CHECKING:
@@ -100,7 +102,11 @@ class ModelServerConfig(ServerConfig):
 
 
 class ResponsesRequest(BaseModel):
-    """An OpenAI Responses-style request (unknown fields are accepted and ignored)."""
+    """An OpenAI Responses-style request (unknown fields are accepted and ignored).
+
+    The routes build it with :meth:`from_body`: the field types are checked, the input's
+    items are not copied or validated one by one (a conversation grows every turn).
+    """
 
     model_config = ConfigDict(extra="allow")
 
@@ -110,11 +116,48 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
 
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> ResponsesRequest:
+        """The request of a decoded JSON body; :class:`~gymckpt.errors.InvalidRequest` (422) naming a bad field."""
+        _check_items(body, "input", required=True, text=True)
+        _check_body_fields(body)
+        # every default given here: pydantic inspects a default factory's signature on each construct
+        return cls.model_construct(_fields_set=set(body), **{**_defaults(), "stream": False, **body})
+
     def items(self) -> list[dict[str, Any]]:
         """The input as a list of items (a plain string is one user message)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         return self.input
+
+
+def _defaults() -> dict[str, Any]:
+    """The defaults of the fields both request shapes share (new lists and dicts each time)."""
+    return {"model": "gymckpt-policy", "tools": [], "metadata": {}}
+
+
+def _check_items(body: dict[str, Any], name: str, *, required: bool = False, text: bool = False) -> None:
+    """``body[name]`` is a list of objects (or, with ``text``, a string); absent only when not ``required``."""
+    if name not in body:
+        if required:
+            raise InvalidRequest(f"{name}: field required")
+        return
+    value = body[name]
+    if text and isinstance(value, str):
+        return
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        kind = "a string or a list of objects" if text else "a list of objects"
+        raise InvalidRequest(f"{name}: must be {kind}")
+
+
+def _check_body_fields(body: dict[str, Any]) -> None:
+    """The optional fields of a model request have their types (``model``, ``tools``, ``metadata``, ``stream``)."""
+    if "_fields_set" in body:
+        raise InvalidRequest("_fields_set: not a field of a model request")
+    _check_items(body, "tools")
+    for name, kind, label in (("model", str, "a string"), ("metadata", dict, "an object"), ("stream", bool, "a bool")):
+        if name in body and not isinstance(body[name], kind):
+            raise InvalidRequest(f"{name}: must be {label}")
 
 
 #: request fields that constrain decoding when set (a call with one is never cut)
@@ -135,7 +178,11 @@ def constrained_decoding(request: BaseModel) -> str | None:
     A ``tool_choice`` other than ``auto``/``none``, a ``response_format`` other than text,
     or any guided or structured-output field.
     """
-    fields = {**(request.model_extra or {}), **request.model_dump(exclude_unset=True)}
+    # the fields given, without dumping the input: a conversation is never copied to look at three fields
+    fields = dict(request.model_extra or {})
+    for name in ("tool_choice", "response_format", *_CONSTRAINING_FIELDS):
+        if name in request.model_fields_set:
+            fields[name] = getattr(request, name)
     choice = fields.get("tool_choice")
     if choice is not None and choice not in ("auto", "none"):
         return f"tool_choice:{choice}" if isinstance(choice, str) else "tool_choice:constrained"
@@ -161,12 +208,24 @@ class ConversationRequest(BaseModel):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> ConversationRequest:
+        """The request of a decoded JSON body (checked as :meth:`ResponsesRequest.from_body` checks)."""
+        _check_items(body, "messages", required=True)
+        _check_body_fields(body)
+        return cls.model_construct(_fields_set=set(body), **{**_defaults(), **body})
+
     def as_responses(self) -> ResponsesRequest:
         """The same call as a Responses request (the policy, its gating and its cuts are one)."""
         extra = {name: value for name, value in (self.model_extra or {}).items() if name not in ("stream", "input")}
-        return ResponsesRequest(
+        return ResponsesRequest.model_construct(
             model=self.model, input=self.messages, tools=self.tools, metadata=self.metadata, **extra
         )
+
+
+def _as_is(reply: dict[str, Any]) -> dict[str, Any]:
+    """The Responses reply, as the ``/v1/responses`` route answers it."""
+    return reply
 
 
 def _first_output(reply: dict[str, Any]) -> dict[str, Any]:
@@ -220,8 +279,9 @@ def anthropic_message(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 def canonical_prompt(items: list[dict[str, Any]]) -> str:
-    """The prompt sent to the inference backend: the input's JSON with sorted keys."""
-    return json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The prompt sent to the inference backend: the input's JSON with sorted keys, no spaces
+    (``json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``, written by orjson)."""
+    return canonical_json(items).decode()
 
 
 def tool_results(items: list[dict[str, Any]]) -> int:
@@ -408,8 +468,9 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
     def generate_body(request: ResponsesRequest, episode: EpisodeId | None) -> tuple[dict[str, Any], str]:
         """The ``/generate`` body, and the prompt's sha256 hex (its seed, the request digest, the reply's ids)."""
         items = request.items()
-        prompt = canonical_prompt(items)
-        prompt_sha256 = hashlib.sha256(prompt.encode()).hexdigest()
+        prompt_bytes = canonical_json(items)
+        prompt = prompt_bytes.decode()
+        prompt_sha256 = hashlib.sha256(prompt_bytes).hexdigest()
         if episode is not None:
             rollout = episode.capture_key
         else:
@@ -439,8 +500,11 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
             )
             reply, _ = await inference.post(config.inference_url, "/generate", body, episode=None)
         tokens = reply.get("tokens", [])
-        # for the ledger row too: hashed and packed once
-        reply["response_digest"] = digest = prefix_digest(tokens)
+        # for the ledger row too: hashed and packed once (the backend's digest of the tokens, when it sends one)
+        digest = reply.get("tokens_digest")
+        if not isinstance(digest, str):
+            digest = prefix_digest(tokens)
+        reply["response_digest"] = digest
         reply["packed"] = packed = _packed(reply)
         if participant is not None and call is not None:
             participant.generated(call, reply.get("staging_key"), len(tokens), digest, prefix=packed)
@@ -478,9 +542,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 "response_digest": generated["response_digest"],
                 **generated["packed"],
             }
-            from gymckpt.servers.responses_api import responses_api_reply  # a whole OpenAI Responses API object
-
-            reply = responses_api_reply(request)(
+            reply = responses_api_reply(request)(  # a whole OpenAI Responses API object
                 policy_reply(
                     request,
                     tokens,
@@ -494,93 +556,25 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 return _EventStream(sse_events(reply, tokens), participant, call, row)
             if participant is not None and call is not None:
                 participant.delivered(call, row)
-            return JSONResponse(shape(reply))
+            return FastJSONResponse(shape(reply))
         finally:
             if participant is not None and call is not None and not handed_over:
                 participant.finish(call)
 
+    # the bodies are read here (orjson, the field types checked), not by FastAPI: a conversation's
+    # messages are neither validated one by one nor copied, and the reply is written by orjson
     @app.post("/v1/responses")
-    async def responses(request: ResponsesRequest) -> Response:
-        return await serve(request, lambda reply: reply)
+    async def responses(request: Request) -> Response:
+        return await serve(ResponsesRequest.from_body(await read_json_object(request)), _as_is)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ConversationRequest) -> Response:
-        return await serve(request.as_responses(), chat_completion)
+    async def chat_completions(request: Request) -> Response:
+        body = ConversationRequest.from_body(await read_json_object(request))
+        return await serve(body.as_responses(), chat_completion)
 
     @app.post("/v1/messages")
-    async def messages(request: ConversationRequest) -> Response:
-        return await serve(request.as_responses(), anthropic_message)
+    async def messages(request: Request) -> Response:
+        body = ConversationRequest.from_body(await read_json_object(request))
+        return await serve(body.as_responses(), anthropic_message)
 
     return app
-
-
-class GenerationCutClient:
-    """Asks the inference backend to cut undelivered generations (``POST /ng-control/v1/generation-cut``).
-
-    On a connection pool of its own, so a cut is never queued behind the very generations it
-    cuts. The receipt is checked: the inventory echoed and every ticket acknowledged once.
-    A cut or release whose reused connection the backend closed before replying is sent once
-    more (:func:`gymckpt.transport.request`): both are idempotent for one checkpoint id (a
-    repeated cut stages the same frozen prefixes again and is checked like the first; a
-    repeated release finds nothing left frozen).
-    """
-
-    def __init__(self, inference_url: str, token: str, *, server_name: str) -> None:
-        self.url = inference_url.rstrip("/") + GENERATION_CUT_ROUTE
-        self.token = token
-        self.server_name = server_name
-        self._session: aiohttp.ClientSession | None = None
-
-    async def cut(self, checkpoint_id: str, prefixes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """``{ticket_id: ack}`` for ``prefixes``; raises when the backend fails or its receipt does not match."""
-        ordered = sorted(prefixes, key=lambda prefix: prefix["ticket_id"])
-        body = {
-            "checkpoint_id": checkpoint_id,
-            "server_name": self.server_name,
-            "active_prefixes": ordered,
-            "inventory_digest": inventory_digest(checkpoint_id, self.server_name, ordered),
-        }
-        async with transport.request(
-            self._client(), "POST", self.url, resend=True, json=body, headers=self._headers()
-        ) as response:
-            raw = await transport.read_bounded(response, transport.data_reply_limit())
-            if response.status >= 400:
-                raise DownstreamError.answered(self.url, response.status, raw)
-        receipt = json.loads(raw)
-        if not isinstance(receipt, dict) or receipt.get("inventory_digest") != body["inventory_digest"]:
-            raise DownstreamError(f"{self.url} answered a receipt for another inventory")
-        acks = receipt.get("prefixes")
-        tickets = [ack.get("ticket_id") for ack in acks] if isinstance(acks, list) else None
-        if tickets is None or sorted(tickets) != [prefix["ticket_id"] for prefix in ordered]:
-            raise DownstreamError(f"{self.url} did not acknowledge every ticket exactly once")
-        return {ack["ticket_id"]: ack for ack in acks}
-
-    async def release(self, checkpoint_id: str) -> None:
-        """The checkpoint resumed: the generations it cut decode on."""
-        async with transport.request(
-            self._client(),
-            "POST",
-            self.url + "/release",
-            resend=True,
-            json={"checkpoint_id": checkpoint_id},
-            headers=self._headers(),
-        ) as response:
-            raw = await transport.read_bounded(response, transport.data_reply_limit())
-            if response.status >= 400:
-                raise DownstreamError.answered(self.url + "/release", response.status, raw)
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            bound = transport.downstream_pool_limit(workers=server_workers())
-            self._session = transport.client_session(
-                limit=bound, limit_per_host=bound, timeout=aiohttp.ClientTimeout(total=None)
-            )
-        return self._session
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None

@@ -9,7 +9,7 @@ import aiohttp
 import httpx
 
 from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.servers.inference import InferenceConfig, build_inference_app, generate_tokens, token_text
+from gymckpt.servers.inference import InferenceConfig, build_inference_app, generate_tokens, prefix_digest, token_text
 
 from .model_support import bounded, inference_server, run
 
@@ -128,5 +128,23 @@ def test_generations_are_in_flight_together_and_a_disconnected_one_is_not_logged
             reply = await bounded(generate("quick", 3))
             assert reply["tokens"] == generate_tokens(7, "hello", 3)
             assert [call["call_id"] for call in backend.calls] == ["quick"]
+
+    run(main)
+
+
+def test_draw_tokens_is_randranges_stream() -> None:
+    """The decoder's fast draws are exactly ``randrange(VOCAB_SIZE)``'s: the tokens stay what they were."""
+    from gymckpt.servers.inference_tokens import VOCAB_SIZE, draw_tokens, token_stream
+
+    expected = token_stream(7, "a prompt")
+    assert draw_tokens(token_stream(7, "a prompt"), 5_000) == [expected.randrange(VOCAB_SIZE) for _ in range(5_000)]
+
+
+def test_generate_replies_carry_the_digest_of_their_tokens() -> None:
+    async def main() -> None:
+        async with _client() as client:
+            reply = (await client.post("/generate", json=_body("d", max_tokens=30))).json()
+            assert reply["text"] == token_text(reply["tokens"])
+            assert reply["tokens_digest"] == prefix_digest(reply["tokens"])
 
     run(main)
