@@ -94,7 +94,7 @@ LIVE_ATTACKS: dict[str, LiveAttack] = {
         "a slow client holds nothing for long: heads and bodies have deadlines, control calls get through",
         {
             "half_sent_head": f"{_SLOW}::test_a_half_sent_head_gets_408_and_is_closed",
-            "silent_connection": f"{_SLOW}::test_a_connection_that_sends_nothing_is_closed_without_a_reply",
+            "silent_connection": f"{_SLOW}::test_a_connection_that_sends_nothing_is_closed_without_a_reply_after_the_keep_alive",
             "head_trickled_a_byte_at_a_time": f"{_SLOW}::test_a_head_trickled_a_byte_at_a_time_is_cut",
             "incomplete_heads_past_the_descriptors": f"{_SLOW}::"
             "test_control_calls_get_through_while_slow_heads_exceed_the_descriptors",
