@@ -42,7 +42,7 @@ from gymckpt.workers.streams import CHUNK_BYTES
 
 if TYPE_CHECKING:
     import concurrent.futures
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Iterable, Iterator, Mapping
 
 __all__ = [
     "ChunkSender",
@@ -162,22 +162,11 @@ def scatter(
     """The second read: every planned record to its worker, ``send(index, chunk)`` per full chunk,
     the rest at the end (a :class:`ChunkSender` is waited for before this returns); returns the
     records sent."""
-    failed = True
-    try:
-        sent = _scatter(records, plan, send, limit)
-        failed = False
-    finally:
-        if isinstance(send, ChunkSender):
-            send.finish(failed=failed)
-    return sent
+    return _send_planned(_encoded_planned(records, plan), plan, send, limit)
 
 
-def _scatter(
-    records: Iterable[dict[str, Any]], plan: ScatterPlan, send: Callable[[int, list[list[Any]]], None], limit: int
-) -> int:
-    pending: dict[int, list[list[Any]]] = {}
-    sizes: dict[int, int] = {}
-    sent = 0
+def _encoded_planned(records: Iterable[dict[str, Any]], plan: ScatterPlan) -> Iterator[tuple[int, int, bytes]]:
+    """``(worker index, position, line)`` of each planned record, encoded with its owner stamped."""
     for record in records:
         target = plan.targets.get(record["episode_id"])
         if target is None:
@@ -185,8 +174,40 @@ def _scatter(
         index, position, stamp = target
         _, line = encoded(_prepared(record, stamp))
         del record
+        yield index, position, line
+
+
+def _send_planned(
+    planned: Iterator[tuple[int, int, bytes]],
+    plan: ScatterPlan,
+    send: Callable[[int, list[list[Any]]], None],
+    limit: int,
+) -> int:
+    """Send each planned line to its worker in chunks of about ``limit`` bytes; a :class:`ChunkSender`
+    is finished (waited for, or told the read failed) before this returns."""
+    failed = True
+    try:
+        sent = _chunked(planned, plan, send, limit)
+        failed = False
+    finally:
+        if isinstance(send, ChunkSender):
+            send.finish(failed=failed)
+    return sent
+
+
+def _chunked(
+    planned: Iterator[tuple[int, int, bytes]],
+    plan: ScatterPlan,
+    send: Callable[[int, list[list[Any]]], None],
+    limit: int,
+) -> int:
+    pending: dict[int, list[list[Any]]] = {}
+    sizes: dict[int, int] = {}
+    sent = 0
+    for index, position, line in planned:
         pending.setdefault(index, []).append([position, line.decode("utf-8")])
-        sizes[index] = sizes.get(index, 0) + len(line)
+        sizes[index] = sizes.get(index, 0) + len(line) + 1
+        del line
         sent += 1
         if sizes[index] >= limit:
             send(index, pending.pop(index))
@@ -285,40 +306,14 @@ def scatter_lines(
 ) -> int:
     """:func:`scatter` over undecoded lines (:func:`survey_lines`' second read): each line goes as it was
     read, its owner stamped in its bytes; returns the records sent."""
-    failed = True
-    try:
-        sent = _scatter_lines(lines, plan, send, limit)
-        failed = False
-    finally:
-        if isinstance(send, ChunkSender):
-            send.finish(failed=failed)
-    return sent
+    return _send_planned(_stamped_planned(lines, plan), plan, send, limit)
 
 
-def _scatter_lines(
-    lines: Iterable[tuple[str, bytes]], plan: ScatterPlan, send: Callable[[int, list[list[Any]]], None], limit: int
-) -> int:
-    pending: dict[int, list[list[Any]]] = {}
-    sizes: dict[int, int] = {}
-    sent = 0
+def _stamped_planned(lines: Iterable[tuple[str, bytes]], plan: ScatterPlan) -> Iterator[tuple[int, int, bytes]]:
+    """``(worker index, position, line)`` of each planned line, its owner stamped in its bytes."""
     for episode_id, line in lines:
         target = plan.targets.get(episode_id)
         if target is None:
             continue
         index, position, stamp = target
-        prepared = _prepared_line(episode_id, line, stamp)
-        del line
-        pending.setdefault(index, []).append([position, prepared.decode("utf-8")])
-        sizes[index] = sizes.get(index, 0) + len(prepared) + 1
-        del prepared
-        sent += 1
-        if sizes[index] >= limit:
-            send(index, pending.pop(index))
-            sizes[index] = 0
-    for index in sorted(pending):
-        send(index, pending.pop(index))
-    if sent != len(plan.targets):
-        raise InvalidCheckpointState(
-            f"the records file gave {sent} of the {len(plan.targets)} session records its first read placed"
-        )
-    return sent
+        yield index, position, _prepared_line(episode_id, line, stamp)
