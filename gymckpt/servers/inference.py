@@ -34,6 +34,10 @@ continues a cut generation on the replacement call.
   generates only tokens nobody generated before.
 - ``GET /ng-control/v1/generations`` → ``{"generations": [{"call_id", "tokens", "max_tokens",
   "frozen_by"}]}``: the generations still decoding (what a cut can name).
+- ``POST /ng-control/v1/decoding {"paused": bool}`` → ``{"paused", "generations"}``: holds
+  every generation before its next token, or lets them go on, and lists the generations
+  still decoding at that moment (a test can checkpoint while a generation is mid-way,
+  whatever the machine's load).
 - ``GET /ng-control/v1/staging`` → ``{"keys"}``; ``POST /ng-control/v1/staging/delete``
   ``{"keys"}`` → ``{"deleted"}``: the trainer's view of its token store.
 
@@ -72,6 +76,7 @@ from gymckpt.servers.inference_wire import (
     MAX_CUT_PREFIXES,
     MAX_GENERATE_TOKENS,
     CaptureAdmission,
+    DecodingRequest,
     GenerateRequest,
     GenerationCutContinuation,
     GenerationCutInventory,
@@ -235,6 +240,15 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
     @app.get(f"{BACKEND_CONTROL_PREFIX}generations")
     async def generations() -> dict[str, list[dict[str, Any]]]:
         return {"generations": backend.generations()}
+
+    @app.post(f"{BACKEND_CONTROL_PREFIX}decoding")
+    async def decoding(request: Request) -> dict[str, Any]:
+        _, body = await _parse(request, DecodingRequest)
+        if body.paused:
+            backend.pause()
+        else:
+            backend.resume()
+        return {"paused": body.paused, "generations": backend.generations()}
 
     @app.get(f"{BACKEND_CONTROL_PREFIX}staging")
     async def staging() -> dict[str, list[str]]:

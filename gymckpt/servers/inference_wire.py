@@ -23,6 +23,7 @@ __all__ = [
     "MAX_CUT_PREFIXES",
     "MAX_GENERATE_TOKENS",
     "CaptureAdmission",
+    "DecodingRequest",
     "GenerateRequest",
     "GenerationCutContinuation",
     "GenerationCutInventory",
@@ -134,6 +135,14 @@ class GenerateRequest(BaseModel):
     def generation_cut(self) -> GenerationCutContinuation | None:
         """The cut this call continues, if any."""
         return self.ng_capture.generation_cut if self.ng_capture is not None else None
+
+
+class DecodingRequest(BaseModel):
+    """The body of ``POST /ng-control/v1/decoding``: hold every generation (``paused``) or let them go on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    paused: bool
 
 
 class StagingDeleteRequest(BaseModel):

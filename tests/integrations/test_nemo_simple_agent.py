@@ -153,6 +153,14 @@ class Stack:
         async with self.session.get(self.servers["inference"].url + "/calls") as reply:
             return await reply.json()  # type: ignore[no-any-return]
 
+    async def decoding(self, *, paused: bool) -> list[dict[str, Any]]:
+        """Hold the inference backend's generations before their next token, or let them go on; those decoding."""
+        url = self.servers["inference"].url + "/ng-control/v1/decoding"
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with self.session.post(url, json={"paused": paused}, headers=headers) as reply:
+            assert reply.status == 200, await reply.text()
+            return (await reply.json())["generations"]  # type: ignore[no-any-return]
+
     async def close(self) -> None:
         await self.session.close()
         for server in self.servers.values():
@@ -221,6 +229,16 @@ def _crash_and_continue(tmp_path: Path, *, workers: int, restore_workers: int) -
                 return all(made[key] >= 2 for key in keys)
 
             await _until(mid_conversation, "every rollout two model calls in")
+
+            async def held_mid_generation() -> bool:  # decoding paused while a generation has tokens and more to make
+                held = await stack.decoding(paused=True)
+                if any(0 < generation["tokens"] < generation["max_tokens"] for generation in held):
+                    return True
+                await stack.decoding(paused=False)
+                return False
+
+            # on a loaded machine every generation may be between tokens 0 and max at no one moment by chance
+            await _until(held_mid_generation, "a generation held mid-way")
             directory = str(tmp_path / "ckpt-agent")
             async with stack.coordinator() as gym:
                 assert (await gym.discover()).ok
@@ -230,6 +248,7 @@ def _crash_and_continue(tmp_path: Path, *, workers: int, restore_workers: int) -
                 scope = prepared.continued([key for key in keys if key not in finished])
                 commits = await gym.commit("ckpt-agent", time.time() + WAIT, directory, scope)
                 await gym.publish(directory, commits)
+            await stack.decoding(paused=False)
             results = {key: runs[key].result() for key in finished}
             kill_all(stack.gym)
             await asyncio.gather(*runs.values(), return_exceptions=True)  # their connections died with the agent

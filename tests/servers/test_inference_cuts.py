@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 STAGING = "/ng-control/v1/staging"
 STAGING_DELETE = "/ng-control/v1/staging/delete"
+DECODING = "/ng-control/v1/decoding"
 SEED, PROMPT = 7, "hello"
 #: long enough that a generation held mid-way by pause() cannot finish before its cut
 N = 40
@@ -389,6 +390,7 @@ async def _control_statuses(client: httpx.AsyncClient, headers: dict[str, str]) 
         (await client.get(STAGING, headers=headers)).status_code,
         (await client.post(STAGING_DELETE, json={"keys": []}, headers=headers)).status_code,
         (await client.post(GENERATION_CUT_ROUTE, json=_inventory([_prefix("x")]), headers=headers)).status_code,
+        (await client.post(DECODING, json={"paused": False}, headers=headers)).status_code,
     ]
 
 
@@ -397,13 +399,13 @@ def test_with_a_token_every_control_route_needs_it(enabled: bool) -> None:
     async def main() -> None:
         checkpoint = {"enabled": enabled, "control_auth_token": "secret"}
         async with _backend(checkpoint=checkpoint) as (client, _):
-            assert await _control_statuses(client, {}) == [401] * 3
-            assert await _control_statuses(client, {"Authorization": "Bearer wrong"}) == [401] * 3
+            assert await _control_statuses(client, {}) == [401] * 4
+            assert await _control_statuses(client, {"Authorization": "Bearer wrong"}) == [401] * 4
             unknown = await client.get("/ng-control/v1/anything")
             assert unknown.status_code == 401
             assert unknown.json()["error"]["code"] == "unauthorized"
             assert unknown.headers["www-authenticate"] == "Bearer"
-            assert await _control_statuses(client, {"Authorization": "Bearer secret"}) == [200] * 3
+            assert await _control_statuses(client, {"Authorization": "Bearer secret"}) == [200] * 4
             assert (await client.post("/generate", json=_body("g", max_tokens=1))).status_code == 200
             assert (await client.get("/calls")).status_code == 200
             assert (await client.post("/calls/reset")).status_code == 200
@@ -414,7 +416,7 @@ def test_with_a_token_every_control_route_needs_it(enabled: bool) -> None:
 def test_without_a_token_the_control_routes_are_open() -> None:
     async def main() -> None:
         async with _backend() as (client, _):
-            assert await _control_statuses(client, {}) == [200] * 3
+            assert await _control_statuses(client, {}) == [200] * 4
 
     run(main)
 
@@ -438,5 +440,32 @@ def test_the_generations_still_decoding_are_listed_with_the_cut_that_froze_them(
             backend.resume()
             await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
             await bounded(original)
+
+    run(main)
+
+
+def test_decoding_paused_over_http_holds_a_generation_mid_way_until_let_go() -> None:
+    async def main() -> None:
+        async with _backend() as (client, backend):
+            original = asyncio.create_task(client.post("/generate", json=_body("r-a0:0")))
+            await _decoding(backend, "r-a0:0", 2)
+            paused = (await client.post(DECODING, json={"paused": True})).json()
+            assert paused["paused"] is True
+            [held] = paused["generations"]
+            assert held["call_id"] == "r-a0:0" and 2 <= held["tokens"] < N
+            # a generation started while paused makes no token either
+            later = asyncio.create_task(client.post("/generate", json=_body("r-a0:1")))
+            await backend.wait_until(lambda: backend.progress("r-a0:1") is not None, timeout=TIMEOUT)
+            with pytest.raises(TimeoutError):  # a hundred token delays, and not one token more
+                await backend.wait_until(
+                    lambda: backend.progress("r-a0:0") != held["tokens"] or backend.progress("r-a0:1") != 0,
+                    timeout=0.2,
+                )
+            assert not original.done()
+            going = (await client.post(DECODING, json={"paused": False})).json()
+            assert going["paused"] is False
+            assert {generation["call_id"] for generation in going["generations"]} == {"r-a0:0", "r-a0:1"}
+            assert [len((await bounded(task)).json()["tokens"]) for task in (original, later)] == [N, N]
+            assert (await client.post(DECODING, json={"paused": "maybe"})).status_code == 422
 
     run(main)
