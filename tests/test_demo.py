@@ -6,6 +6,7 @@ stack) and restarts it once, so each takes several seconds on two cores.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import re
@@ -253,6 +254,50 @@ def test_a_lost_rollout_is_named_with_the_reason_its_attempt_failed(
     assert "demo failed: 1 rollout lost (after the restore: 1 × the agent gave no reply)" in " ".join(text.split())
 
 
+def test_a_rollout_refused_while_the_checkpoint_is_open_starts_over_after_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``/run`` that reaches the environment after the prepare is 409 ``checkpoint_parked``: never admitted, so
+    the demo starts it after the restore like any rollout not exported; it is neither lost nor a failure."""
+    from gymckpt.demo import full as demo
+
+    launch, checkpoint = demo.launch_rollouts, demo._Demo._checkpoint
+    late: dict[str, Any] = {}
+
+    async def launch_all_but_the_last(stack: Any, tasks: dict[str, Any], **options: Any) -> Any:
+        *early, last = tasks
+        launched = await launch(stack, {key: tasks[key] for key in early}, **options)
+        gate = asyncio.Event()
+
+        async def after_the_prepare() -> dict[str, Any]:
+            await gate.wait()
+            late["reply"] = await stack.run(last, tasks[last])
+            return late["reply"]  # type: ignore[no-any-return]
+
+        late.update(key=last, gate=gate, task=options["spawn"](after_the_prepare()))
+        launched.runs[last] = late["task"]
+        return launched
+
+    async def checkpoint_then_the_late_run(self: Any, *args: Any) -> list[str]:
+        exported = await checkpoint(self, *args)
+        late["gate"].set()  # the checkpoint is committed and the stack not yet killed: admission is closed
+        await late["task"]
+        return exported  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(demo, "launch_rollouts", launch_all_but_the_last)
+    monkeypatch.setattr(demo._Demo, "_checkpoint", checkpoint_then_the_late_run)
+    out, table = console()
+    outcome = run_demo(
+        rollouts=4, store_url=str(tmp_path / "ckpts"), console=out, logs_dir=tmp_path, workers=1, restore_workers=1
+    )
+    assert_gone(outcome.server_pids)
+    assert late["reply"]["status"] == 409 and late["reply"]["error"]["code"] == "checkpoint_parked", late["reply"]
+    assert outcome.exit_code == EXIT_OK, (outcome.error, table.getvalue())
+    assert outcome.refused_at_checkpoint == [late["key"]]
+    assert late["key"] in outcome.restarted and not outcome.lost and not outcome.differing
+    assert "1 refused while the checkpoint was open" in " ".join(table.getvalue().split())
+
+
 @pytest.mark.parametrize("name", ["[bold]x", "d[/]x", "[red]r[/red]"])
 def test_markup_in_the_store_path_is_printed_as_written(tmp_path: Path, name: str) -> None:
     from gymckpt.demo import run_store_demo
@@ -405,6 +450,21 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_kept_in_the_logs(
     assert "_launch_until_checkpoint" in traceback_file.read_text()
     assert "Traceback" not in lines.getvalue() + table.getvalue()
     assert_gone(outcome.server_pids)
+
+
+def test_failure_summary_counts_error_bodies_by_code_with_one_example() -> None:
+    from gymckpt.demo.report import failure_summary, refused_at_checkpoint
+
+    def parked(episode: str) -> dict[str, Any]:
+        detail = f"a checkpoint is open: episode '{episode}' cannot start now; retry it after resume"
+        return {"error": {"code": "checkpoint_parked", "detail": detail}, "status": 409}
+
+    replies = [parked("1-0"), parked("2-0"), {"error": {"code": "checkpoint_parked"}, "status": 200}]
+    assert [refused_at_checkpoint(reply) for reply in replies] == [True, True, False]
+    assert failure_summary(replies[:2]) == (
+        "2 × HTTP 409 checkpoint_parked (e.g. HTTP 409: {'code': 'checkpoint_parked', 'detail': \"a checkpoint is "
+        "open: episode '1-0' cannot start now; retry it after resume\"})"
+    )
 
 
 def test_failure_summary_counts_the_commonest_reasons() -> None:

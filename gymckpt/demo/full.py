@@ -48,6 +48,7 @@ from gymckpt.demo.report import (
     compare_results,
     failure_summary,
     mean_reward,
+    refused_at_checkpoint,
     render,
     render_kept,
     result_of,
@@ -286,10 +287,16 @@ class _Demo:
                 if result is not None:
                     finals[key] = result
                     outcome.finished_before.append(key)
+                elif refused_at_checkpoint(reply):  # admission was closed: it never started, so it starts over
+                    outcome.refused_at_checkpoint.append(key)
                 else:
                     failed_before.append(reply)
         outcome.finished_before.sort()
-        to_restart = sorted(key for key, task in runs.items() if not task.done() and key not in exported)
+        outcome.refused_at_checkpoint.sort()
+        to_restart = sorted(
+            [key for key, task in runs.items() if not task.done() and key not in exported]
+            + outcome.refused_at_checkpoint
+        )
 
         gym = await self._crash_and_restart(demo, gym, runs)
         calls_before = await self._model_calls(demo)

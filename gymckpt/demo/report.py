@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Table
 
+from gymckpt.errors import CheckpointParked
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
@@ -25,7 +27,9 @@ __all__ = [
     "DemoOutcome",
     "Progress",
     "compare_results",
+    "error_code",
     "failure_summary",
+    "refused_at_checkpoint",
     "render",
     "render_kept",
 ]
@@ -66,6 +70,8 @@ class DemoOutcome:
     #: crash (a ``/run`` that failed) and after it (a continuation or restart that failed)
     lost_reasons: str = ""
     differing: list[str] = field(default_factory=list)
+    #: rollouts whose ``/run`` the open checkpoint refused (``checkpoint_parked``): started over after the restore
+    refused_at_checkpoint: list[str] = field(default_factory=list)
     #: rollouts in the commit scope that were never exported and started over (late to the checkpoint)
     uncaptured: list[str] = field(default_factory=list)
     #: the prepare report's restarts: rollouts some server cannot capture
@@ -146,12 +152,38 @@ def failure_of(reply: Any) -> str:
     return str(reply)
 
 
+def error_code(reply: Any) -> str | None:
+    """The wire code of a ``/run`` reply that is an error body (``{"error": {"code", …}}``), else None."""
+    error = reply.get("error") if isinstance(reply, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) and code else None
+
+
+def refused_at_checkpoint(reply: Any) -> bool:
+    """A ``/run`` the open checkpoint refused (409 ``checkpoint_parked``): the rollout never started."""
+    return isinstance(reply, dict) and reply.get("status") == 409 and error_code(reply) == CheckpointParked.code
+
+
 def failure_summary(replies: Iterable[Any], *, width: int = 160) -> str:
-    """The failures among ``replies`` on one line: how many, and the commonest reasons with their counts."""
-    reasons = Counter(" ".join(failure_of(reply).split())[:width] for reply in replies if result_of(reply) is None)
-    return "; ".join(f"{count} × {reason}" for reason, count in reasons.most_common(3)) + (
-        f"; {len(reasons) - 3} other reasons" if len(reasons) > 3 else ""
-    )
+    """The failures among ``replies`` on one line: how many, and the commonest reasons with their counts.
+
+    Error bodies count by status and wire code (their details name each rollout), with one
+    detail as the example.
+    """
+    reasons: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for reply in replies:
+        if result_of(reply) is not None:
+            continue
+        text = " ".join(failure_of(reply).split())[:width]
+        code = error_code(reply)
+        reason = f"HTTP {reply.get('status', '?')} {code}" if code else text
+        reasons[reason] += 1
+        examples.setdefault(reason, text)
+    return "; ".join(
+        f"{count} × {reason}" + (f" (e.g. {examples[reason]})" if examples[reason] != reason else "")
+        for reason, count in reasons.most_common(3)
+    ) + (f"; {len(reasons) - 3} other reasons" if len(reasons) > 3 else "")
 
 
 def compare_results(
@@ -251,6 +283,8 @@ def render(outcome: DemoOutcome, console: Console) -> None:
     restarted_note = "started over from their input"
     if outcome.uncaptured:
         restarted_note += f"; {len(outcome.uncaptured)} came after the export"
+    if outcome.refused_at_checkpoint:
+        restarted_note += f"; {len(outcome.refused_at_checkpoint)} refused while the checkpoint was open"
     table.add_row("restarted", str(len(outcome.restarted)), restarted_note)
     table.add_row("lost", _bad(len(outcome.lost)), _some(outcome.lost))
     table.add_row(
