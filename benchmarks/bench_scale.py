@@ -8,7 +8,13 @@
     python -m benchmarks.bench_scale --json out.json
 
 - (a) ``gymckpt demo``'s scenario at ``--rollouts`` (16,000) with one and with two workers
-  per server (``--workers 1,2``), checkpointing to local disk (:mod:`benchmarks.scale_demo`).
+  per server (``--workers 1,2``), checkpointing to local disk (:mod:`benchmarks.scale_demo`)
+  once most of the rollouts that fit inside the agent are in flight at their second model
+  call or later (``--checkpoint-turn``, ``--checkpoint-share``). Each rollout inside the agent holds a
+  connection at every server on its path, and a process here has 20,000 descriptors (the
+  hard limit, not raisable in this container): :func:`connection_pools` sizes each Gym
+  server's data pool and the trainer's ``/run`` pool to fit (``--data-pool``,
+  ``--trainer-pool``); the rollouts beyond wait in the trainer's pool, as a trainer's would.
   ``--stack-option KEY=VALUE`` reaches :func:`~gymckpt.stack.harness.default_stack_spec`
   (state sizes of the reference servers), ``--demo-option KEY=VALUE`` :func:`~gymckpt.demo.run_demo`
   (when to checkpoint); values are read as YAML (``3``, ``0.5``, ``true``, ``text``).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -94,6 +101,26 @@ def _option(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value)
 
 
+#: descriptors a server process keeps beside its data connections (listening socket, logs, the store's files)
+_DESCRIPTOR_SLACK = 1_000
+
+
+def connection_pools(descriptors: int, rollouts: int, workers: int = 1) -> tuple[int, int]:
+    """``(data_pool, trainer_pool)`` that fit the stack into ``descriptors`` per process.
+
+    A rollout inside the agent holds a connection at every server on its path: the trainer's
+    ``/run`` into the environment, the environment's to the agent, the agent's to the model,
+    the model's to the inference backend. A server's idle keep-alive connections to a second
+    host (the resources server) do not count against its pool's bound, so a process may hold
+    its inbound connections and twice its data pool: the data pool takes a third of a
+    process's descriptors, less slack. The trainer's pool (one process) fills every worker's
+    share. At 20,000 descriptors: 6,333 rollouts inside each worker of the agent.
+    """
+    share = max((descriptors - _DESCRIPTOR_SLACK) // 3, 64)
+    data = min(rollouts, share)
+    return data, min(rollouts, share * max(workers, 1), max(descriptors - _DESCRIPTOR_SLACK, 64))
+
+
 def _memory_json(memory: dict[str, dict[str, PhaseMemory]]) -> dict[str, Any]:
     return {
         phase: {
@@ -127,7 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-after",
         type=float,
         default=0.25,
-        help="(a, c) share of rollouts finished when the checkpoint is taken (0.25: three quarters in flight)",
+        help="(a, c) with --checkpoint-turn 0: share of rollouts finished when the checkpoint is taken (0.25)",
+    )
+    parser.add_argument(
+        "--checkpoint-turn",
+        type=int,
+        default=2,
+        help="(a, c) checkpoint once --checkpoint-share of all rollouts are in flight at this model call or later "
+        "(2; 0: by --checkpoint-after)",
+    )
+    parser.add_argument(
+        "--checkpoint-share",
+        type=float,
+        default=None,
+        help="(a, c) see --checkpoint-turn (default: 0.8 of the rollouts that fit inside the agent at once)",
     )
     parser.add_argument(
         "--stack-option",
@@ -144,6 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="(a, c) one more keyword of run_demo (repeatable)",
+    )
+    parser.add_argument(
+        "--data-pool",
+        type=positive,
+        default=None,
+        help="(a, c) each Gym server's outbound data connections per process: how many rollouts can be inside "
+        "the agent at once (default: what the descriptor limit allows, see the module notes)",
+    )
+    parser.add_argument(
+        "--trainer-pool",
+        type=positive,
+        default=None,
+        help="(a, c) the trainer's /run connections to the environment (GYMCKPT_POOL_LIMIT; default: the rest "
+        "of the environment's descriptors)",
     )
     parser.add_argument("--sessions", type=positive, default=1_000, help="(b) sandbox sessions (1,000)")
     parser.add_argument(
@@ -175,6 +229,26 @@ def main(argv: list[str] | None = None) -> int:
         f"descriptors {soft:,} (hard {hard:,}) · store {root} ({filesystem(root)})",
         highlight=False,
     )
+
+    def sized(workers: int) -> DemoKnobs:
+        """The knobs of one run at ``workers`` workers, its connection pools sized (and said) for it."""
+        data_pool, trainer_pool = connection_pools(soft, args.rollouts, workers)
+        data_pool, trainer_pool = args.data_pool or data_pool, args.trainer_pool or trainer_pool
+        os.environ["GYMCKPT_POOL_LIMIT"] = str(trainer_pool)  # the harness's pool (the servers are given theirs)
+        console.print(
+            f"{workers} worker(s) per server: up to {data_pool:,} rollouts inside each agent worker "
+            f"(each Gym server's data pool per process), {trainer_pool:,} /run calls at the environment "
+            "(the trainer's pool); the rest wait in the trainer",
+            highlight=False,
+        )
+        demo_options = dict(knobs.demo_options)
+        if args.checkpoint_turn and "checkpoint_turn" not in dict(args.demo_option):
+            share = args.checkpoint_share or 0.8 * min(trainer_pool, data_pool * workers) / args.rollouts
+            demo_options["checkpoint_turn"] = {"turn": args.checkpoint_turn, "share": min(share, 0.95)}
+        return dataclasses.replace(
+            knobs, stack_options={**knobs.stack_options, "data_pool_limit": data_pool}, demo_options=demo_options
+        )
+
     knobs = DemoKnobs(
         rollouts=args.rollouts,
         timeout=args.timeout,
@@ -187,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "tool_turns": args.tool_turns,
             **dict(args.stack_option),
         },
-        demo_options=dict(args.demo_option),
+        demo_options={"checkpoint_turn": None, **dict(args.demo_option)},
     )
     before = cpu_snapshot()
     local: list[ScaleRun] = []
@@ -195,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     sessions: SessionsRun | None = None
     if "a" in args.scenario:
         for workers in worker_counts:
-            local.append(run_demo_scenario("a", knobs, workers, root, console))
+            local.append(run_demo_scenario("a", sized(workers), workers, root, console))
             if local[-1].terminated:  # SIGTERM: the demo stopped its servers; no further run
                 break
     terminated = any(run.terminated for run in local)
@@ -214,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         with ChildMoto() as options:
             store_url = f"s3://{BUCKET}/checkpoints"
             s3.append(
-                run_demo_scenario("c", knobs, workers, root, console, store_url=store_url, storage_options=options)
+                run_demo_scenario(
+                    "c", sized(workers), workers, root, console, store_url=store_url, storage_options=options
+                )
             )
     share = _others_share(before, cpu_snapshot(), _cpu_seconds(local + s3))
     render_demo_runs(local + s3, out)

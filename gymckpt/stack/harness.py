@@ -79,12 +79,16 @@ def default_stack_spec(
     allowed_roots: list[str] | None = None,
     workers: int = 1,
     sizes: StateSizes | None = None,
+    data_pool_limit: int | None = None,
 ) -> dict[str, Any]:
     """The reference stack: inference, model, a resources server, the agent, the environment.
 
     ``workers``: uvicorn workers of each Gym server (the inference backend runs one).
     ``sizes``: how much state a rollout carries (default :meth:`StateSizes.compact`; the
-    prompt length is the tasks' own, :func:`task_for`).
+    prompt length is the tasks' own, :func:`task_for`). ``data_pool_limit``: each Gym
+    server's outbound data connections, per host and in all (default: the servers' own,
+    :func:`~gymckpt.transport.downstream_pool_limit`); how many rollouts can be inside the
+    agent at once.
     """
     sizes = sizes if sizes is not None else StateSizes.compact()
     model: dict[str, Any] = {"inference_url": "{inference}", "tool_turns": tool_turns}
@@ -98,6 +102,11 @@ def default_stack_spec(
     resources_server: dict[str, Any] = {"name": "resources", "kind": resources}
     if sizes.tool_output_chars and resources == "counter":
         resources_server["config"] = {"output_chars": sizes.tool_output_chars}
+    pools: dict[str, int] = {}
+    if data_pool_limit is not None:
+        pools = {"data_connector_limit": data_pool_limit, "data_connector_limit_per_host": data_pool_limit}
+        model.update(pools)
+        resources_server["config"] = {**resources_server.get("config", {}), **pools}
     checkpoint: dict[str, Any] = {"enabled": True, "control_auth_token": token}
     if storage_options:
         checkpoint["storage_options"] = storage_options
@@ -113,12 +122,12 @@ def default_stack_spec(
             {
                 "name": "agent",
                 "kind": "agent",
-                "config": {"model_url": "{model}", "session_hooks": agent_session_hooks},
+                "config": {"model_url": "{model}", "session_hooks": agent_session_hooks, **pools},
             },
             {
                 "name": "environment",
                 "kind": "environment",
-                "config": {"agent_url": "{agent}", "resources_url": "{resources}"},
+                "config": {"agent_url": "{agent}", "resources_url": "{resources}", **pools},
             },
         ],
     }

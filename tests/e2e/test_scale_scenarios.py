@@ -90,3 +90,33 @@ def test_scenarios_and_pass_through_options_are_read_from_the_command_line() -> 
         with pytest.raises(SystemExit) as exited:
             build_parser().parse_args(wrong)
         assert exited.value.code == 2
+
+
+def test_connection_pools_fit_the_stack_into_the_descriptors() -> None:
+    from benchmarks.bench_scale import connection_pools
+
+    for descriptors in (20_000, 65_536, 4_096):
+        for workers in (1, 2):
+            data, trainer = connection_pools(descriptors, 16_000, workers)
+            # a process holds its inbound connections and up to twice its data pool (idle ones to a second host
+            # are outside the bound); the trainer's pool fills every worker's share, in one process
+            assert 3 * data <= descriptors - 1_000, (descriptors, workers, data)
+            assert trainer <= min(workers * data, descriptors - 1_000), (descriptors, workers, trainer)
+            assert trainer >= data > 0
+    assert connection_pools(20_000, 300, 2) == (300, 300)  # a short run: every rollout inside the agent at once
+    assert connection_pools(20_000, 16_000) == (6_333, 6_333)
+    assert connection_pools(20_000, 16_000, 2) == (6_333, 12_666)
+
+
+def test_a_data_pool_limit_reaches_every_gym_server_and_not_the_inference_backend() -> None:
+    from gymckpt.stack.harness import StateSizes, default_stack_spec
+
+    spec = default_stack_spec(token="t", data_pool_limit=9_000, sizes=StateSizes())
+    configs = {server["name"]: server.get("config", {}) for server in spec["servers"]}
+    for name in ("model", "resources", "agent", "environment"):
+        assert configs[name]["data_connector_limit"] == configs[name]["data_connector_limit_per_host"] == 9_000
+    assert configs["resources"]["output_chars"] == StateSizes().tool_output_chars  # kept beside the pool
+    assert "data_connector_limit" not in configs["inference"]
+    assert all(
+        "data_connector_limit" not in server.get("config", {}) for server in default_stack_spec(token="t")["servers"]
+    )
