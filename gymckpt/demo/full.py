@@ -517,10 +517,11 @@ class _Demo:
         """SIGKILL every Gym server's process group, start fresh ones, wait until they answer."""
         began = time.perf_counter()
         self._observe("crash", stack)
-        await asyncio.to_thread(stack.crash)
+        # the trainer's side goes first: a /run still waiting for a connection must not reach the fresh processes
         for task in runs.values():
             task.cancel()
         await asyncio.gather(*runs.values(), return_exceptions=True)
+        await asyncio.to_thread(stack.crash)
         await gym.close()
         self.progress(
             f"SIGKILL of every Gym server's process group ({', '.join(stack.gym_servers)}); "

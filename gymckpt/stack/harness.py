@@ -421,8 +421,12 @@ class RolloutHarness:
         return outcome
 
     def crash(self) -> None:
-        """SIGKILL every Gym server's process group (the inference backend survives)."""
-        self.stack.kill(self.gym_servers)
+        """SIGKILL every Gym server's process group (the inference backend survives).
+
+        Their listening sockets are renewed: a request that waited in a backlog at the crash is
+        reset, never served by the fresh processes as if sent to them.
+        """
+        self.stack.kill(self.gym_servers, drop_backlog=True)
 
     def restart(self, *, workers: dict[str, int] | int | None = None) -> None:
         """Start fresh processes of every Gym server on the same ports (``workers``: new worker counts)."""

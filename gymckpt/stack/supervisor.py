@@ -166,6 +166,17 @@ class ServerProcess:
                 return
             time.sleep(_GROUP_POLL_SECONDS)
 
+    def renew_socket(self) -> None:
+        """A new listening socket on the same address: what waited in the old one's backlog is reset.
+
+        Connections the killed process never accepted would otherwise reach the next one with
+        their requests, as if sent to it; a crashed node's socket takes them with it.
+        """
+        address = self.sock.getsockname()[:2]
+        self.sock.close()  # Linux resets every connection still in its accept queue
+        self.sock = socket.create_server(address, backlog=LISTEN_BACKLOG)
+        self.sock.set_inheritable(True)
+
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL the server's whole process group and reap it."""
         self.signal_kill()
@@ -212,17 +223,22 @@ class Stack:
                 self._started = True
                 server.start(self.workdir)
 
-    def kill(self, names: list[str] | None = None) -> None:
+    def kill(self, names: list[str] | None = None, *, drop_backlog: bool = False) -> None:
         """SIGKILL the named servers' process groups at once (all by default); their sockets stay open.
 
         Every group is signalled before any is reaped, so no server outlives another and
-        answers for it: a node failure takes them all at the same moment.
+        answers for it: a node failure takes them all at the same moment. ``drop_backlog``:
+        the sockets are renewed (:meth:`ServerProcess.renew_socket`), so no connection the
+        killed processes never accepted reaches the next ones, as after a real node's loss.
         """
         chosen = [self.servers[name] for name in names or list(self.servers)]
         for server in chosen:
             server.signal_kill()
         for server in chosen:
             server.reap()
+        if drop_backlog:
+            for server in chosen:
+                server.renew_socket()
 
     def close(self) -> None:
         """Kill every server, close the sockets, and remove a temporary workdir (unless kept).
