@@ -64,6 +64,7 @@ from gymckpt.control.replies import (
 from gymckpt.control.restore_source import RESTORE_CHECKS, read_published, restore_bodies
 from gymckpt.control.routes import CONTROL_PREFIX
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
+from gymckpt.gc_pause import paused_gc
 from gymckpt.identity import EpisodeId, episode_object
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_document
@@ -342,7 +343,11 @@ class Coordinator:
         deadline_ts: float,
         parse: Callable[[str, str, dict[str, Any]], T] | None = None,
     ) -> dict[str, T]:
-        """The same encoded body (or each server's own) to every server at once; then one CoordinationError for all."""
+        """The same encoded body (or each server's own) to every server at once; then one CoordinationError for all.
+
+        The cyclic GC of this process is paused meanwhile (:func:`~gymckpt.gc_pause.paused_gc`): a
+        trainer's large heap would otherwise add a full collection to a checkpoint's control calls.
+        """
         urls = list(urls)
         timeout = deadline_ts - time.time() + _REPLY_SLACK
 
@@ -351,7 +356,8 @@ class Coordinator:
             reply = await self._call(url, op, body, timeout=timeout)
             return reply if parse is None else parse(url, op, reply)
 
-        outcomes = await asyncio.gather(*(one(url) for url in urls), return_exceptions=True)
+        with paused_gc():
+            outcomes = await asyncio.gather(*(one(url) for url in urls), return_exceptions=True)
         causes: dict[str, BaseException] = {}
         for url, outcome in zip(urls, outcomes, strict=True):
             if isinstance(outcome, BaseException):

@@ -43,6 +43,7 @@ from gymckpt.errors import (
     StaleCheckpoint,
     UnsupportedStorage,
 )
+from gymckpt.gc_pause import paused_gc
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.store import WriteStop
 from gymckpt.store.codec import EncodedRecord, EncodedRecords
@@ -246,6 +247,11 @@ class ControlPlane(RestoreRoutes):
         )
 
     async def prepare(self, request: ControlRequest) -> PrepareReply:
+        """Close admission and wait until ready or the deadline (the cyclic GC paused meanwhile)."""
+        with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
+            return await self._prepare(request)
+
+    async def _prepare(self, request: ControlRequest) -> PrepareReply:
         """Close admission and wait until ready or the deadline."""
         self._loop = asyncio.get_running_loop()
         self._check_not_stale(request.checkpoint_id)
@@ -322,6 +328,11 @@ class ControlPlane(RestoreRoutes):
         return RenewReply(phase=self.phase, checkpoint_id=request.checkpoint_id, lease_expires_at=self.lease_expires_at)
 
     async def commit(self, request: CommitRequest) -> CommitReply:
+        """Export once, store, clean up (the cyclic GC paused meanwhile)."""
+        with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
+            return await self._commit(request)
+
+    async def _commit(self, request: CommitRequest) -> CommitReply:
         """Export once, store through the store, delete unscoped restored state."""
         self._check_not_stale(request.checkpoint_id)
         if request.checkpoint_id in self._export_failed:
@@ -461,6 +472,11 @@ class ControlPlane(RestoreRoutes):
         return records
 
     async def resume(self, request: ControlRequest) -> ResumeReply:
+        """End the open checkpoint or restore (the cyclic GC paused meanwhile)."""
+        with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
+            return await self._resume(request)
+
+    async def _resume(self, request: ControlRequest) -> ResumeReply:
         """Reopen admission, cancel an export, wait for cleanup, stop the writer.
 
         A repeated resume is a no-op reply; one that runs out of time keeps the phase.

@@ -25,6 +25,7 @@ from gymckpt.errors import (
     InvalidPhase,
     InvalidRolloutId,
 )
+from gymckpt.gc_pause import paused_gc
 from gymckpt.identity import capture_key, first_keys, split_capture_key
 from gymckpt.store.codec import rekeyed_line
 
@@ -89,6 +90,11 @@ class RestoreRoutes:
         self.lease_expires_at = None
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
+        """Restore the scope from a checkpoint directory (the cyclic GC paused meanwhile)."""
+        with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
+            return await self._restore_paused(request)
+
+    async def _restore_paused(self, request: RestoreRequest) -> RestoreReply:
         """Read, verify and install the scoped records under their next attempt."""
         self._loop = asyncio.get_running_loop()
         self._check_not_stale(request.checkpoint_id)

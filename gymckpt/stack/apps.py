@@ -38,6 +38,7 @@ from typing import Any
 from gymckpt import telemetry
 from gymckpt.control.settings import checkpointing_summary
 from gymckpt.errors import AppNotLoadable, SettingsError
+from gymckpt.gc_pause import tune_collector
 from gymckpt.participants.install import APP_CONFIG_ENV, Installed, building_only, installed_on, link_workers_with
 
 __all__ = ["APP_ENV", "LoadedApp", "app_from_env", "check_app_spec", "load_app", "parse_app_spec"]
@@ -192,6 +193,7 @@ def app_from_env() -> Any:
     from gymckpt.workers.process import install_worker
 
     telemetry.setup_logging()  # this worker's own: GYMCKPT_LOG_LEVEL
+    tune_collector()  # this worker's own thresholds (GYMCKPT_GC_THRESHOLDS)
     environ = dict(os.environ)
     link_workers_with(lambda app, participant, block: install_worker(app, participant, block, environ))
     loaded = load_app(environ[APP_ENV])

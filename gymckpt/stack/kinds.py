@@ -7,6 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from gymckpt import telemetry
+from gymckpt.gc_pause import tune_collector
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -86,6 +87,7 @@ def app_from_env() -> FastAPI:
     """
     kind = os.environ.get(KIND_ENV, "counter")
     telemetry.setup_logging()  # this worker's own: GYMCKPT_LOG_LEVEL
+    tune_collector()  # this worker's own thresholds (GYMCKPT_GC_THRESHOLDS)
     telemetry.configure_from_environment(f"gymckpt-{kind}")
     app, _ = build_server(kind, os.environ.get(CONFIG_ENV) or None)
     return app

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from gymckpt import telemetry, transport
 from gymckpt.control.settings import checkpointing_summary
+from gymckpt.gc_pause import tune_collector
 from gymckpt.participants.install import STARTUP_LINE_ENV
 from gymckpt.stack.kinds import CONFIG_ENV, KIND_ENV, NOT_GYM, PARTICIPANT_KINDS, build_server, load_config
 from gymckpt.stack.request_deadlines import CONNECTION_BUDGET_ENV, DeadlineProtocol, RequestDeadlines
@@ -175,6 +176,7 @@ def serve(
         telemetry.configure_from_environment(loaded.service_name)  # a no-op once the app's install did it
         config = _app_pools()
     label = kind if loaded is None else loaded.spec
+    tune_collector()  # before any app is built; a bad GYMCKPT_GC_THRESHOLDS stops here, and the workers inherit it
     budget = check_descriptor_budget(label, config, workers=workers)
     if not os.environ.get(CONNECTION_BUDGET_ENV, "").strip() and budget.inbound is not None and budget.inbound > 0:
         os.environ[CONNECTION_BUDGET_ENV] = str(budget.inbound)  # this process's and every worker's

@@ -13,12 +13,10 @@ whatever the bytes on disk.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import itertools
 import queue
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +30,7 @@ from gymckpt.errors import (
     RecordUndecodable,
     WriteStopped,
 )
+from gymckpt.gc_pause import paused_gc
 from gymckpt.store import codec
 from gymckpt.store.bounds import MAX_LINE_BYTES
 from gymckpt.store.codec import (
@@ -305,67 +304,6 @@ class _ChunkReader(threading.Thread):
                 self.outbox.get(timeout=0.1)
             except queue.Empty:
                 pass
-
-
-class _GCPause:
-    """Counts the open pauses of the cyclic GC across threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pauses = 0
-        self.was_enabled = False
-
-    def enter(self) -> None:
-        with self.lock:
-            if self.pauses == 0:
-                self.was_enabled = gc.isenabled()
-                gc.disable()
-            self.pauses += 1
-
-    def exit(self) -> None:
-        with self.lock:
-            self.pauses -= 1
-            if self.pauses == 0 and self.was_enabled:
-                _promote_young_objects()
-                gc.enable()
-
-
-#: objects the GC tracks, made during a pause, from which they are moved to the oldest generation at its end
-_PROMOTE_AFTER = 10_000
-
-
-def _promote_young_objects() -> None:
-    """After a pause that made many objects, move every tracked object to the oldest generation, uncollected.
-
-    Restored records are many and long-lived. The collection that runs as soon as the GC
-    is enabled again would traverse all of them only to find them alive, and the next
-    generation's collection again (0.2-0.4 s for 16,000 records of a few KB). ``gc.freeze``
-    then ``gc.unfreeze`` moves them to the oldest generation at once. Not done when the
-    application holds frozen objects (unfreezing would release them). Cyclic garbage made
-    meanwhile is left for the next full collection.
-    """
-    if gc.get_count()[0] >= _PROMOTE_AFTER and gc.get_freeze_count() == 0:
-        gc.freeze()
-        gc.unfreeze()
-
-
-_GC_PAUSE = _GCPause()
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause Python's cyclic GC while records are decoded; nested and concurrent pauses count.
-
-    Decoded records hold no reference cycles, and collecting a heap of fresh containers
-    over and over as it grows is what makes naive restores slow (about 1.5x the decode).
-    When the last pause ends after many objects were made, they are moved to the oldest
-    generation without a collection (:func:`_promote_young_objects`).
-    """
-    _GC_PAUSE.enter()
-    try:
-        yield
-    finally:
-        _GC_PAUSE.exit()
 
 
 @dataclass

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from gymckpt.control.plane import readiness_report
 from gymckpt.errors import CoordinatorUnavailable, GymckptError, InvalidPhase, InvalidRequest, RetireIncomplete
+from gymckpt.gc_pause import paused_gc
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.store.manifest import Manifest
 from gymckpt.workers import messages
@@ -290,7 +291,8 @@ class WorkerLink:
         deadline_ts = body.get("deadline_ts") if isinstance(body, dict) else None
         self.participant.note_deadline(deadline_ts if isinstance(deadline_ts, (int, float)) else None)
         async with self._admission:
-            await self._close_locally(_field(body, "checkpoint_id", str), _field(body, "generation", int))
+            with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
+                await self._close_locally(_field(body, "checkpoint_id", str), _field(body, "generation", int))
             return self._numbered(local_report(self.participant))
 
     async def _open_locally(self) -> None:
@@ -409,7 +411,8 @@ class WorkerLink:
         if scope is not None:
             scope = _keys(body, "episode_ids")
         stream = _field(body, "stream", int)
-        records = list(await participant.export(scope))
+        with paused_gc():
+            records = list(await participant.export(scope))
         self._exported, self._export_stream = records, stream
         owner, kind = self.routing_id, participant.kind
         named = [[record.get("episode_id"), owner_of(kind, record, owner)] for record in records]

@@ -1,0 +1,130 @@
+"""Python's cyclic garbage collector around checkpoints: paused while one runs, and less often in servers.
+
+A server holding thousands of requests in flight keeps 0.3 to 0.8 million objects the
+collector tracks (each request's coroutines, closures and connection state). A full
+collection traverses all of them: 0.4 to 1.2 s on a busy two-core machine, measured at
+6,333 rollouts inside the agent, and up to 20% of the model server's time. A control call
+that arrives during one waits that long, once per server of the prepare's chain.
+
+- :func:`paused_gc` pauses the collector for a block (the store's decode, a coordinator's
+  fan-out); :func:`pause_gc` pauses it until the returned release is called (a control
+  plane's open checkpoint, bounded by its lease). Pauses nest and count across threads.
+- :func:`tune_collector` raises the collection thresholds of a server process
+  (``GYMCKPT_GC_THRESHOLDS``: three integers, or ``python`` for Python's own): the young
+  generations are still collected often, a full collection only every few million
+  allocations, as the heap's growth also allows (Python's 25% rule).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+__all__ = ["GC_THRESHOLDS_ENV", "SERVER_GC_THRESHOLDS", "pause_gc", "paused_gc", "tune_collector"]
+
+#: the variable that sets a server's collection thresholds: ``"t0,t1,t2"``, or ``python`` for Python's defaults
+GC_THRESHOLDS_ENV = "GYMCKPT_GC_THRESHOLDS"
+#: a server's thresholds: a young collection every 10,000 net allocations, a middle one every 20 of those,
+#: a full one at most every 20 middle ones (4 million net allocations), instead of Python's 700, 10, 10
+SERVER_GC_THRESHOLDS = (10_000, 20, 20)
+#: objects the GC tracks, made during a pause, from which they are moved to the oldest generation at its end
+_PROMOTE_AFTER = 10_000
+
+
+class _GCPause:
+    """Counts the open pauses of the cyclic GC across threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pauses = 0
+        self.was_enabled = False
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.pauses == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.pauses += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.pauses -= 1
+            if self.pauses == 0 and self.was_enabled:
+                _promote_young_objects()
+                gc.enable()
+
+
+def _promote_young_objects() -> None:
+    """After a pause that made many objects, move every tracked object to the oldest generation, uncollected.
+
+    Restored records are many and long-lived. The collection that runs as soon as the GC
+    is enabled again would traverse all of them only to find them alive, and the next
+    generation's collection again (0.2-0.4 s for 16,000 records of a few KB). ``gc.freeze``
+    then ``gc.unfreeze`` moves them to the oldest generation at once. Not done when the
+    application holds frozen objects (unfreezing would release them). Cyclic garbage made
+    meanwhile is left for the next full collection.
+    """
+    if gc.get_count()[0] >= _PROMOTE_AFTER and gc.get_freeze_count() == 0:
+        gc.freeze()
+        gc.unfreeze()
+
+
+_GC_PAUSE = _GCPause()
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause Python's cyclic GC for the block; nested and concurrent pauses count.
+
+    Decoded records hold no reference cycles, and collecting a heap of fresh containers
+    over and over as it grows is what makes naive restores slow (about 1.5x the decode).
+    When the last pause ends after many objects were made, they are moved to the oldest
+    generation without a collection (:func:`_promote_young_objects`).
+    """
+    _GC_PAUSE.enter()
+    try:
+        yield
+    finally:
+        _GC_PAUSE.exit()
+
+
+def pause_gc() -> Callable[[], None]:
+    """Pause Python's cyclic GC until the returned release is called (calling it again does nothing)."""
+    _GC_PAUSE.enter()
+    released = threading.Event()
+
+    def release() -> None:
+        if not released.is_set():
+            released.set()
+            _GC_PAUSE.exit()
+
+    return release
+
+
+def collector_thresholds(text: str | None) -> tuple[int, int, int] | None:
+    """The thresholds ``GYMCKPT_GC_THRESHOLDS`` names (None: Python's own, ``python``); a bad value is a ValueError."""
+    if text is None or not text.strip():
+        return SERVER_GC_THRESHOLDS
+    if text.strip().lower() == "python":
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(
+            f"{GC_THRESHOLDS_ENV}={text!r}: three positive integers 't0,t1,t2' (e.g. "
+            f"{','.join(map(str, SERVER_GC_THRESHOLDS))}) or 'python' for Python's own thresholds"
+        )
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def tune_collector() -> tuple[int, int, int]:
+    """Set this server process's collection thresholds (:data:`GC_THRESHOLDS_ENV`); the thresholds in force."""
+    thresholds = collector_thresholds(os.environ.get(GC_THRESHOLDS_ENV))
+    if thresholds is not None:
+        gc.set_threshold(*thresholds)
+    return gc.get_threshold()  # type: ignore[return-value]

@@ -1,0 +1,111 @@
+"""The cyclic GC around checkpoints (gymckpt.gc_pause): paused while one is open, in servers and controllers."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import TYPE_CHECKING
+
+import pytest
+
+from gymckpt import gc_pause
+from gymckpt.control.models import ControlRequest, Phase
+from gymckpt.control.plane import ControlPlane
+from gymckpt.testing.time import bounded
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from gymckpt.testing.participant import FakeParticipant
+
+
+@pytest.fixture(autouse=True)
+def collector_enabled() -> Iterator[None]:
+    """Each test starts with the collector on and no pause open, and leaves it so."""
+    was = gc.isenabled()
+    gc.enable()
+    assert gc_pause._GC_PAUSE.pauses == 0
+    yield
+    assert gc_pause._GC_PAUSE.pauses == 0, "a pause was left open"
+    if not was:
+        gc.disable()
+
+
+def _request(checkpoint_id: str, deadline_ts: float) -> ControlRequest:
+    return ControlRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+
+
+def test_pauses_nest_and_a_release_counts_once() -> None:
+    release = gc_pause.pause_gc()
+    assert not gc.isenabled()
+    with gc_pause.paused_gc():
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the first pause still holds it
+    release()
+    assert gc.isenabled()
+    release()  # again: nothing (the count would go below zero)
+    assert gc.isenabled() and gc_pause._GC_PAUSE.pauses == 0
+
+
+def test_a_collector_that_was_off_stays_off() -> None:
+    gc.disable()
+    with gc_pause.paused_gc():
+        pass
+    assert not gc.isenabled()
+    gc.enable()
+
+
+@pytest.mark.parametrize(
+    ("text", "thresholds"),
+    [
+        (None, gc_pause.SERVER_GC_THRESHOLDS),
+        ("", gc_pause.SERVER_GC_THRESHOLDS),
+        ("python", None),
+        ("5, 6,7", (5, 6, 7)),
+    ],
+)
+def test_thresholds_are_read_from_the_variable(text: str | None, thresholds: tuple[int, int, int] | None) -> None:
+    assert gc_pause.collector_thresholds(text) == thresholds
+
+
+@pytest.mark.parametrize("text", ["1,2", "1,2,x", "0,1,1", "-1,2,3", "big"])
+def test_a_bad_threshold_setting_is_refused_naming_the_variable(text: str) -> None:
+    with pytest.raises(ValueError, match=r"GYMCKPT_GC_THRESHOLDS=.*three positive integers"):
+        gc_pause.collector_thresholds(text)
+
+
+def test_tune_collector_sets_the_thresholds_and_python_keeps_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = gc.get_threshold()
+    try:
+        monkeypatch.setenv(gc_pause.GC_THRESHOLDS_ENV, "900,11,12")
+        assert gc_pause.tune_collector() == (900, 11, 12) == gc.get_threshold()
+        monkeypatch.setenv(gc_pause.GC_THRESHOLDS_ENV, "python")
+        assert gc_pause.tune_collector() == (900, 11, 12)  # left as they were
+    finally:
+        gc.set_threshold(*before)
+
+
+async def test_the_collector_is_paused_while_a_prepare_runs_and_on_again_after(fake: FakeParticipant) -> None:
+    plane = ControlPlane(fake)
+    fake.start("a")
+    fake.close_gate = asyncio.Event()  # the close waits for the test
+    prepare = asyncio.create_task(plane.prepare(_request("c1", time.time() + 60.0)))
+    await bounded(fake.started["close"].wait())
+    assert not gc.isenabled()  # the prepare is under way, the collector paused
+    fake.close_gate.set()
+    reply = await bounded(prepare)
+    assert reply.phase is Phase.PREPARED and gc.isenabled()
+    await bounded(plane.resume(_request("c1", time.time() + 60.0)))
+    assert gc.isenabled()
+    await plane.close()
+
+
+async def test_a_failed_prepare_ends_its_pause(fake: FakeParticipant) -> None:
+    plane = ControlPlane(fake)
+    fake.start("a")
+    fake.fail_close = RuntimeError("the participant cannot close")
+    with pytest.raises(RuntimeError):
+        await bounded(plane.prepare(_request("c2", time.time() + 10.0)))
+    assert plane.phase is Phase.IDLE and gc.isenabled()
+    await plane.close()
