@@ -105,20 +105,21 @@ def _option(text: str) -> tuple[str, Any]:
 _DESCRIPTOR_SLACK = 1_000
 
 
-def connection_pools(descriptors: int, rollouts: int, workers: int = 1) -> tuple[int, int]:
-    """``(data_pool, trainer_pool)`` that fit the stack into ``descriptors`` per process.
+def connection_pools(descriptors: int, rollouts: int) -> tuple[int, int]:
+    """``(data_pool, trainer_pool)`` that fit the stack into ``descriptors`` per process, at any worker count.
 
     A rollout inside the agent holds a connection at every server on its path: the trainer's
     ``/run`` into the environment, the environment's to the agent, the agent's to the model,
     the model's to the inference backend. A server's idle keep-alive connections to a second
     host (the resources server) do not count against its pool's bound, so a process may hold
     its inbound connections and twice its data pool: the data pool takes a third of a
-    process's descriptors, less slack. The trainer's pool (one process) fills every worker's
-    share. At 20,000 descriptors: 6,333 rollouts inside each worker of the agent.
+    process's descriptors, less slack. The trainer's pool is no larger: the kernel spreads
+    accepted connections over a server's workers unevenly, so one worker may get nearly all
+    of them. At 20,000 descriptors: 6,333 rollouts inside the agent.
     """
     share = max((descriptors - _DESCRIPTOR_SLACK) // 3, 64)
-    data = min(rollouts, share)
-    return data, min(rollouts, share * max(workers, 1), max(descriptors - _DESCRIPTOR_SLACK, 64))
+    pool = min(rollouts, share)
+    return pool, pool
 
 
 def _memory_json(memory: dict[str, dict[str, PhaseMemory]]) -> dict[str, Any]:
@@ -232,18 +233,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def sized(workers: int) -> DemoKnobs:
         """The knobs of one run at ``workers`` workers, its connection pools sized (and said) for it."""
-        data_pool, trainer_pool = connection_pools(soft, args.rollouts, workers)
+        data_pool, trainer_pool = connection_pools(soft, args.rollouts)
         data_pool, trainer_pool = args.data_pool or data_pool, args.trainer_pool or trainer_pool
         os.environ["GYMCKPT_POOL_LIMIT"] = str(trainer_pool)  # the harness's pool (the servers are given theirs)
         console.print(
-            f"{workers} worker(s) per server: up to {data_pool:,} rollouts inside each agent worker "
-            f"(each Gym server's data pool per process), {trainer_pool:,} /run calls at the environment "
-            "(the trainer's pool); the rest wait in the trainer",
+            f"{workers} worker(s) per server: up to {trainer_pool:,} /run calls at the environment (the trainer's "
+            f"pool; the rest wait in the trainer), each Gym server process's data pool {data_pool:,}",
             highlight=False,
         )
         demo_options = dict(knobs.demo_options)
         if args.checkpoint_turn and "checkpoint_turn" not in dict(args.demo_option):
-            share = args.checkpoint_share or 0.8 * min(trainer_pool, data_pool * workers) / args.rollouts
+            share = args.checkpoint_share or 0.8 * min(trainer_pool, data_pool) / args.rollouts
             demo_options["checkpoint_turn"] = {"turn": args.checkpoint_turn, "share": min(share, 0.95)}
         return dataclasses.replace(
             knobs, stack_options={**knobs.stack_options, "data_pool_limit": data_pool}, demo_options=demo_options
