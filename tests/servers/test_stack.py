@@ -28,15 +28,20 @@ async def _run(url: str, key: str) -> dict[str, Any]:
         return await response.json()
 
 
+def _environment_stack(downstream: str) -> dict[str, Any]:
+    """A stack of one environment server whose agent and resources server are ``downstream``."""
+    return {
+        "checkpoint": {"enabled": True, "control_auth_token": "t"},
+        "servers": [
+            {"name": "env", "kind": "environment", "config": {"agent_url": downstream, "resources_url": downstream}}
+        ],
+    }
+
+
 def test_a_killed_server_restarts_on_the_same_port(tmp_path: Any) -> None:
     fake = FakeDownstream()
     with serve(fake.app) as downstream:
-        spec = {
-            "checkpoint": {"enabled": True, "control_auth_token": "t"},
-            "servers": [
-                {"name": "env", "kind": "environment", "config": {"agent_url": downstream, "resources_url": downstream}}
-            ],
-        }
+        spec = _environment_stack(downstream)
         workdir = tmp_path / "not" / "made" / "yet"  # made for the servers' configs and logs
         with load_stack(spec, workdir=workdir) as stack:
             stack.start()
@@ -83,12 +88,7 @@ def test_a_crash_that_drops_the_backlog_keeps_queued_requests_from_the_fresh_pro
     process unless the kill renews the socket (what RolloutHarness.crash does: a node's loss takes it along)."""
     fake = FakeDownstream()
     with serve(fake.app) as downstream:
-        spec = {
-            "checkpoint": {"enabled": True, "control_auth_token": "t"},
-            "servers": [
-                {"name": "env", "kind": "environment", "config": {"agent_url": downstream, "resources_url": downstream}}
-            ],
-        }
+        spec = _environment_stack(downstream)
         with load_stack(spec, workdir=tmp_path) as stack:
             stack.start()
             url = stack.urls["env"]
