@@ -496,8 +496,8 @@ class _Demo:
         """K6: wait for the ``/run`` calls in flight that were neither exported nor restarts.
 
         The environment ended them before its export: their replies are on the wire. One
-        that does not come (it reached the environment after the export) starts over
-        after the crash, as a restart does.
+        that does not come (it reached the environment after the export, or still waits in
+        the trainer's pool) starts over after the crash, as a restart does.
         """
         waiting = runs_to_await(in_flight, committed=exported, restarts=self.outcome.restarts_reported)
         tasks = [runs[key] for key in waiting if not runs[key].done()]
@@ -508,7 +508,7 @@ class _Demo:
         if waiting:
             self.progress(
                 f"{_n(len(waiting) - len(late), 'rollout')} ended before the export and returned"
-                + (f"; {len(late)} reached the environment after it and will start over" if late else "")
+                + (f"; {len(late)} came after it or wait in the trainer's pool, and will start over" if late else "")
             )
 
     async def _crash_and_restart(

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -34,6 +34,9 @@ from gymckpt.identity import EpisodeId
 from gymckpt.store import open_store
 
 from .nemo_support import TOKEN, NeMoServer, kill_all, nemo_python
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 WAIT = 240.0
 ROLLOUTS = 32
@@ -161,7 +164,12 @@ class Stack:
             assert reply.status == 200, await reply.text()
             return (await reply.json())["generations"]  # type: ignore[no-any-return]
 
-    async def close(self) -> None:
+    async def close(self, tasks: Iterable[asyncio.Task[Any]] = ()) -> None:
+        """Cancel ``tasks`` (the rollouts still running) and wait for them, then stop every server."""
+        tasks = list(tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.session.close()
         for server in self.servers.values():
             server.close()
@@ -296,10 +304,7 @@ def _crash_and_continue(tmp_path: Path, *, workers: int, restore_workers: int) -
                 f"after {len(log) - before_restore} cuts {len(cuts)}"
             )
         finally:
-            for task in runs.values():
-                task.cancel()
-            await asyncio.gather(*runs.values(), return_exceptions=True)
-            await stack.close()
+            await stack.close(runs.values())
 
     asyncio.run(asyncio.wait_for(scenario(), 6 * WAIT))
 
@@ -369,9 +374,6 @@ def test_turn_loops_called_directly_continue_after_sigkill(tmp_path: Path) -> No
                 prompts = collections.Counter(call["prompt_sha256"] for call in log[mark:] if _rollout_of(call) == key)
                 assert sum(1 for count in prompts.values() if count > 1) <= 1, key
         finally:
-            for task in loops.values():
-                task.cancel()
-            await asyncio.gather(*loops.values(), return_exceptions=True)
-            await stack.close()
+            await stack.close(loops.values())
 
     asyncio.run(asyncio.wait_for(scenario(), 6 * WAIT))
