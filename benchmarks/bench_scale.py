@@ -54,6 +54,7 @@ from benchmarks.scale_report import TARGETS, render_demo_runs, render_s3_ratio, 
 from benchmarks.scale_sampling import py_spy
 from benchmarks.scale_sessions import SessionsRun, run_sessions_scenario
 from gymckpt import __version__ as gymckpt_version
+from gymckpt import transport
 from gymckpt.servers.sandbox import DEFAULT_SESSION_BYTES
 
 if TYPE_CHECKING:
@@ -105,21 +106,42 @@ def _option(text: str) -> tuple[str, Any]:
 _DESCRIPTOR_SLACK = 1_000
 
 
-def connection_pools(descriptors: int, rollouts: int) -> tuple[int, int]:
-    """``(data_pool, trainer_pool)`` that fit the stack into ``descriptors`` per process, at any worker count.
+#: the share of the rollouts that fit inside the agent at their second model call or later when (a) checkpoints:
+#: the acceptance wants 8,000 of them past their first turn, and 9,116 fit at 20,000 descriptors
+CHECKPOINT_SHARE = 0.92
+#: the agent's and the environment's pool to the resources server: tool calls, seed and verify are short
+RESOURCES_POOL = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionPools:
+    """How many connections each leg of a rollout's path may hold per process (see :func:`connection_pools`)."""
+
+    #: each Gym server's data pool towards the next server on the path: the rollouts inside the agent at once
+    data: int
+    #: the trainer's ``/run`` calls at the environment
+    trainer: int
+    #: the agent's and the environment's pool of its own to the resources server
+    resources: int
+
+
+def connection_pools(descriptors: int, rollouts: int) -> ConnectionPools:
+    """Pools that fit the stack into ``descriptors`` per process, at any worker count.
 
     A rollout inside the agent holds a connection at every server on its path: the trainer's
     ``/run`` into the environment, the environment's to the agent, the agent's to the model,
-    the model's to the inference backend. A server's idle keep-alive connections to a second
-    host (the resources server) do not count against its pool's bound, so a process may hold
-    its inbound connections and twice its data pool: the data pool takes a third of a
-    process's descriptors, less slack. The trainer's pool is no larger: the kernel spreads
-    accepted connections over a server's workers unevenly, so one worker may get nearly all
-    of them. At 20,000 descriptors: 6,333 rollouts inside the agent.
+    the model's to the inference backend. So the environment and the agent each hold two per
+    rollout, and beside them the connections to the resources server, which take a pool of
+    their own (:data:`RESOURCES_POOL`; in a shared pool, their idle connections would sit
+    outside its bound) and the awaited lanes. The trainer's pool is no larger than the data
+    pool: the kernel spreads accepted connections over a server's workers unevenly, so one
+    worker may get nearly all of them. At 20,000 descriptors: 9,116 rollouts inside the agent.
     """
-    share = max((descriptors - _DESCRIPTOR_SLACK) // 3, 64)
+    resources = RESOURCES_POOL
+    awaited = 2 * transport.AWAITED_POOL_LIMIT  # the environment's and the agent's, to two servers each
+    share = max((descriptors - _DESCRIPTOR_SLACK - resources - awaited) // 2, 64)
     pool = min(rollouts, share)
-    return pool, pool
+    return ConnectionPools(data=pool, trainer=pool, resources=min(resources, pool))
 
 
 def _memory_json(memory: dict[str, dict[str, PhaseMemory]]) -> dict[str, Any]:
@@ -168,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-share",
         type=float,
         default=None,
-        help="(a, c) see --checkpoint-turn (default: 0.8 of the rollouts that fit inside the agent at once)",
+        help=f"(a, c) see --checkpoint-turn (default: {CHECKPOINT_SHARE} of the rollouts that fit inside the agent at once)",
     )
     parser.add_argument(
         "--stack-option",
@@ -233,20 +255,27 @@ def main(argv: list[str] | None = None) -> int:
 
     def sized(workers: int) -> DemoKnobs:
         """The knobs of one run at ``workers`` workers, its connection pools sized (and said) for it."""
-        data_pool, trainer_pool = connection_pools(soft, args.rollouts)
-        data_pool, trainer_pool = args.data_pool or data_pool, args.trainer_pool or trainer_pool
+        pools = connection_pools(soft, args.rollouts)
+        data_pool, trainer_pool = args.data_pool or pools.data, args.trainer_pool or pools.trainer
         os.environ["GYMCKPT_POOL_LIMIT"] = str(trainer_pool)  # the harness's pool (the servers are given theirs)
         console.print(
             f"{workers} worker(s) per server: up to {trainer_pool:,} /run calls at the environment (the trainer's "
-            f"pool; the rest wait in the trainer), each Gym server process's data pool {data_pool:,}",
+            f"pool; the rest wait in the trainer), each Gym server process's data pool {data_pool:,}, "
+            f"to the resources server {pools.resources:,}",
             highlight=False,
         )
         demo_options = dict(knobs.demo_options)
         if args.checkpoint_turn and "checkpoint_turn" not in dict(args.demo_option):
-            share = args.checkpoint_share or 0.8 * min(trainer_pool, data_pool) / args.rollouts
+            share = args.checkpoint_share or CHECKPOINT_SHARE * min(trainer_pool, data_pool) / args.rollouts
             demo_options["checkpoint_turn"] = {"turn": args.checkpoint_turn, "share": min(share, 0.95)}
         return dataclasses.replace(
-            knobs, stack_options={**knobs.stack_options, "data_pool_limit": data_pool}, demo_options=demo_options
+            knobs,
+            stack_options={
+                **knobs.stack_options,
+                "data_pool_limit": data_pool,
+                "resources_pool_limit": pools.resources,
+            },
+            demo_options=demo_options,
         )
 
     knobs = DemoKnobs(

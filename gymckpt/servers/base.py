@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 import orjson
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gymckpt import transport
 from gymckpt.control.responses import handle_gymckpt_error
@@ -65,6 +65,19 @@ class ServerConfig(BaseModel):
     #: and per host, per process (None: :func:`~gymckpt.transport.downstream_pool_limit`, the server's
     #: bound shared among its workers; 0: no limit)
     data_connector_limit_per_host: int | None = Field(default=None, ge=0)
+    #: per downstream server, by its base URL (in a stack file ``"{resources}": 1000``), a bound of its
+    #: own in place of ``data_connector_limit_per_host`` (0: no limit); its calls go on a pool of their own
+    data_connector_limit_by_url: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("data_connector_limit_by_url")
+    @classmethod
+    def _bounds_by_url(cls, value: dict[str, int]) -> dict[str, int]:
+        for url, bound in value.items():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is no server's base URL (http://host:port)")
+            if bound < 0:
+                raise ValueError(f"the bound of {url} must be 0 (no limit) or more, not {bound}")
+        return {url.rstrip("/"): bound for url, bound in value.items()}
 
 
 def load_server_config(cls: type[C], source: str | Path | dict[str, Any] | None = None) -> C:
@@ -113,7 +126,10 @@ class Downstream:
     :func:`~gymckpt.transport.downstream_pool_limit`, 0 for no limit), in all only when
     ``connector_limit`` is set (a shared bound would queue the short calls to one host, a
     resources server's ``/verify``, behind the long ones to another), and closes idle
-    connections before the servers' keep-alive ends (:mod:`gymckpt.transport`). A call a
+    connections before the servers' keep-alive ends (:mod:`gymckpt.transport`). A server named
+    in ``limit_by_url`` (base URL → bound) gets a pool of its own at that bound: aiohttp's bound
+    in all counts the connections in use, not the idle ones kept for another host, so only
+    pools of their own bound what a process holds towards each server. A call a
     checkpoint waits for (``awaited``: a wait step's, an agent's ``/close_session``) goes on
     a small pool of its own (:func:`~gymckpt.transport.awaited_pool_limit` per host), so it
     never queues behind the long calls to the same host (an agent's whole rollout) while a
@@ -144,21 +160,26 @@ class Downstream:
         checkpointing: bool,
         connector_limit: int | None = None,
         connector_limit_per_host: int | None = None,
+        limit_by_url: dict[str, int] | None = None,
         reply_limit: int | None = None,
     ) -> None:
         self.checkpointing = checkpointing
         self._limits = (connector_limit, connector_limit_per_host)
+        #: base URL → a bound of its own (its calls go on a pool of their own)
+        self._limit_by_url = {url.rstrip("/"): bound for url, bound in (limit_by_url or {}).items()}
         if reply_limit is not None and reply_limit <= 0:
             raise ValueError(f"reply_limit must be a positive number of bytes, not {reply_limit}")
         #: the bound of every reply read, in bytes
         self.reply_limit = transport.data_reply_limit() if reply_limit is None else reply_limit
-        #: the data pool (False) and the awaited lane (True)
-        self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        #: the data pool (False), the awaited lane (True), and the pool of each server bounded on its own (its URL)
+        self._sessions: dict[bool | str, aiohttp.ClientSession] = {}
         #: capture key → server base URL → the session cookie's value
         self._cookies: OrderedDict[str, dict[str, str]] = OrderedDict()
 
-    def _client(self, awaited: bool = False) -> aiohttp.ClientSession:
-        session = self._sessions.get(awaited)
+    def _client(self, awaited: bool = False, base: str = "") -> aiohttp.ClientSession:
+        own = None if awaited else self._limit_by_url.get(base.rstrip("/"))
+        lane: bool | str = base.rstrip("/") if own is not None else awaited
+        session = self._sessions.get(lane)
         if session is None or session.closed:
             # by default bounded per host only: a slow host's calls never queue another host's behind them
             limit, per_host = self._limits
@@ -166,7 +187,10 @@ class Downstream:
             per_host = transport.downstream_pool_limit(workers=server_workers()) if per_host is None else per_host
             if awaited:
                 limit, per_host = 0, transport.awaited_pool_limit(per_host)
-            session = self._sessions[awaited] = transport.client_session(
+            elif own is not None:
+                # a pool of its own: its idle connections are bounded with it, never beside another host's
+                limit = per_host = own
+            session = self._sessions[lane] = transport.client_session(
                 limit=limit,
                 limit_per_host=per_host,
                 timeout=aiohttp.ClientTimeout(total=None),
@@ -248,7 +272,7 @@ class Downstream:
             headers[RELAY_HEADER] = relayed
         try:
             async with transport.request(
-                self._client(awaited), "POST", url, resend=resend, data=orjson.dumps(body), headers=headers
+                self._client(awaited, base), "POST", url, resend=resend, data=orjson.dumps(body), headers=headers
             ) as response:
                 stamped = response.cookies.get(COOKIE_NAME)
                 if stamped is not None and episode is not None and stamped.value:
@@ -351,6 +375,7 @@ def build_app(
         checkpointing=config.checkpoint.enabled,
         connector_limit=config.data_connector_limit,
         connector_limit_per_host=config.data_connector_limit_per_host,
+        limit_by_url=config.data_connector_limit_by_url,
     )
     closers = [downstream.close, *(on_shutdown or [])]
 

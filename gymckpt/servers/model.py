@@ -456,6 +456,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         checkpointing=False,
         connector_limit=config.data_connector_limit,
         connector_limit_per_host=config.data_connector_limit_per_host,
+        limit_by_url=config.data_connector_limit_by_url,
     )
     cutter = GenerationCutClient(config.inference_url, config.checkpoint.token, server_name=config.instance)
     app, plane, _ = build_app("gymckpt model", config, participant, on_shutdown=[inference.close, cutter.close])

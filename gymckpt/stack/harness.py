@@ -80,6 +80,7 @@ def default_stack_spec(
     workers: int = 1,
     sizes: StateSizes | None = None,
     data_pool_limit: int | None = None,
+    resources_pool_limit: int | None = None,
 ) -> dict[str, Any]:
     """The reference stack: inference, model, a resources server, the agent, the environment.
 
@@ -88,7 +89,9 @@ def default_stack_spec(
     prompt length is the tasks' own, :func:`task_for`). ``data_pool_limit``: each Gym
     server's outbound data connections, per host and in all (default: the servers' own,
     :func:`~gymckpt.transport.downstream_pool_limit`); how many rollouts can be inside the
-    agent at once.
+    agent at once. ``resources_pool_limit``: the agent's and the environment's calls to the
+    resources server (short ones: tool calls, seed, verify) on a pool of their own at this
+    bound, so their idle connections are not held beside a full data pool.
     """
     sizes = sizes if sizes is not None else StateSizes.compact()
     model: dict[str, Any] = {"inference_url": "{inference}", "tool_turns": tool_turns}
@@ -107,6 +110,9 @@ def default_stack_spec(
         pools = {"data_connector_limit": data_pool_limit, "data_connector_limit_per_host": data_pool_limit}
         model.update(pools)
         resources_server["config"] = {**resources_server.get("config", {}), **pools}
+    calling_resources: dict[str, Any] = dict(pools)
+    if resources_pool_limit is not None:
+        calling_resources["data_connector_limit_by_url"] = {"{resources}": resources_pool_limit}
     checkpoint: dict[str, Any] = {"enabled": True, "control_auth_token": token}
     if storage_options:
         checkpoint["storage_options"] = storage_options
@@ -122,12 +128,12 @@ def default_stack_spec(
             {
                 "name": "agent",
                 "kind": "agent",
-                "config": {"model_url": "{model}", "session_hooks": agent_session_hooks, **pools},
+                "config": {"model_url": "{model}", "session_hooks": agent_session_hooks, **calling_resources},
             },
             {
                 "name": "environment",
                 "kind": "environment",
-                "config": {"agent_url": "{agent}", "resources_url": "{resources}", **pools},
+                "config": {"agent_url": "{agent}", "resources_url": "{resources}", **calling_resources},
             },
         ],
     }

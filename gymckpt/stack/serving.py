@@ -325,11 +325,12 @@ def check_descriptor_budget(
     """Raise the soft descriptor limit to the hard one and log what this server's connections may take.
 
     The model, per process (each worker has the limit to itself): outbound, the data pool
-    at its bound (``data_connector_limit_per_host``, default
-    :func:`~gymckpt.transport.downstream_pool_limit`, × the servers the config names, or
-    ``data_connector_limit`` where that is smaller) with the awaited lane beside it
-    (:func:`~gymckpt.transport.awaited_pool_limit` per server)
-    and :data:`~gymckpt.transport.DESCRIPTOR_RESERVE`; the rest is left for the calls coming
+    at its bound per server (``data_connector_limit_by_url``'s for a server it names, else
+    ``data_connector_limit_per_host``, default :func:`~gymckpt.transport.downstream_pool_limit`;
+    ``data_connector_limit`` only where there is no bound per host: it counts the connections
+    in use, not the idle ones kept for another server) summed over the servers the config
+    names, with the awaited lane beside it (:func:`~gymckpt.transport.awaited_pool_limit` per
+    server) and :data:`~gymckpt.transport.DESCRIPTOR_RESERVE`; the rest is left for the calls coming
     in. One INFO line gives the limit and how many calls it can hold; a WARNING names what to
     change when the pool is unbounded or takes more than it leaves. ``limits`` (soft, hard)
     stands for the process's own, which are then left as they are (for tests).
@@ -338,10 +339,13 @@ def check_descriptor_budget(
     total = config.data_connector_limit or 0
     per_host = config.data_connector_limit_per_host
     per_host = transport.downstream_pool_limit(soft, workers) if per_host is None else per_host
-    hosts = max(len(downstream_hosts(config)), 1)
-    bounds = [bound for bound in (total, per_host * hosts if per_host else 0) if bound]
+    own = config.data_connector_limit_by_url
+    named = sorted(set(downstream_hosts(config)) | set(own)) or [""]
+    bounds = [own.get(host, per_host or total) for host in named]
     # the data pool at its bound, and the awaited lane beside it (the calls a checkpoint waits for)
-    outbound = min(bounds) + transport.awaited_pool_limit(per_host) * hosts if bounds else None
+    awaited = transport.awaited_pool_limit(per_host) * len(named)
+    outbound = sum(bounds) + awaited if all(bounds) else None
+    hosts = len(named)
     budget = transport.DescriptorBudget(limit=soft, hard_limit=hard, outbound=outbound)
     shown = "unlimited" if soft < 0 else str(soft)
     logger.info(

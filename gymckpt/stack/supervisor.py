@@ -434,7 +434,8 @@ def _port(value: Any) -> int | None:
 
 
 def _resolve(value: Any, urls: dict[str, str], path: str = "", where: str = "") -> Any:
-    """``value`` with each ``"{name}"`` replaced by that server's URL; one that names no server is refused."""
+    """``value`` with each ``"{name}"`` (in a string, or a mapping's key) replaced by that server's URL;
+    one that names no server is refused."""
     if isinstance(value, str):
         if "{" not in value:
             return value
@@ -448,8 +449,11 @@ def _resolve(value: Any, urls: dict[str, str], path: str = "", where: str = "") 
         except (ValueError, IndexError, AttributeError):
             why = "a '{' or '}' that is no \"{name}\" of a server (write a literal one as '{{' or '}}')"
         raise SettingsError([(where, why)], path=path) from None
-    if isinstance(value, dict):
-        return {key: _resolve(item, urls, path, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, dict):  # keys too: a bound by server, {"{resources}": 1000}
+        return {
+            _resolve(key, urls, path, f"{where}.{key}"): _resolve(item, urls, path, f"{where}.{key}")
+            for key, item in value.items()
+        }
     if isinstance(value, list):
         return [_resolve(item, urls, path, f"{where}[{index}]") for index, item in enumerate(value)]
     return value

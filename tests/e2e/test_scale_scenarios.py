@@ -20,6 +20,7 @@ from rich.console import Console
 from benchmarks.bench_scale import build_parser
 from benchmarks.bench_scale import main as bench_scale
 from benchmarks.scale_demo import DemoKnobs, run_demo_scenario
+from gymckpt import transport
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -96,12 +97,14 @@ def test_connection_pools_fit_the_stack_into_the_descriptors() -> None:
     from benchmarks.bench_scale import connection_pools
 
     for descriptors in (20_000, 65_536, 4_096):
-        data, trainer = connection_pools(descriptors, 16_000)
-        # a process holds its inbound connections and up to twice its data pool (idle ones to a second host are
-        # outside the bound); one worker may accept every /run, so the trainer's pool is no larger than one's share
-        assert 3 * data <= descriptors - 1_000 and trainer == data > 0, (descriptors, data, trainer)
-    assert connection_pools(20_000, 300) == (300, 300)  # a short run: every rollout inside the agent at once
-    assert connection_pools(20_000, 16_000) == (6_333, 6_333)
+        pools = connection_pools(descriptors, 16_000)
+        # the environment and the agent hold two connections per rollout inside the agent, their pools to the
+        # resources server and the awaited lanes beside them; the trainer's pool is no larger than the data pool
+        beside = pools.resources + 2 * transport.AWAITED_POOL_LIMIT
+        assert 2 * pools.data + beside <= descriptors - 1_000, (descriptors, pools)
+        assert pools.trainer == pools.data > 0 and pools.resources > 0, (descriptors, pools)
+    assert connection_pools(20_000, 300).data == 300  # a short run: every rollout inside the agent at once
+    assert connection_pools(20_000, 16_000).data >= 9_000  # the acceptance wants 8,000 past their first turn
 
 
 def test_a_data_pool_limit_reaches_every_gym_server_and_not_the_inference_backend() -> None:
@@ -111,6 +114,12 @@ def test_a_data_pool_limit_reaches_every_gym_server_and_not_the_inference_backen
     configs = {server["name"]: server.get("config", {}) for server in spec["servers"]}
     for name in ("model", "resources", "agent", "environment"):
         assert configs[name]["data_connector_limit"] == configs[name]["data_connector_limit_per_host"] == 9_000
+    own = default_stack_spec(token="t", data_pool_limit=9_000, resources_pool_limit=512)
+    bounds = {server["name"]: server.get("config", {}).get("data_connector_limit_by_url") for server in own["servers"]}
+    # the two that call the resources server give it a pool of its own
+    assert bounds == dict.fromkeys(("inference", "model", "resources"), None) | dict.fromkeys(
+        ("agent", "environment"), {"{resources}": 512}
+    )
     assert configs["resources"]["output_chars"] == StateSizes().tool_output_chars  # kept beside the pool
     assert "data_connector_limit" not in configs["inference"]
     assert all(

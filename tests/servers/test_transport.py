@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gymckpt import transport
 from gymckpt.control.coordination import Coordinator
 from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.errors import DownstreamError
+from gymckpt.errors import DownstreamError, SettingsError
 from gymckpt.servers.base import Downstream, server_workers
 from gymckpt.servers.environment import EnvironmentConfig
 from gymckpt.stack.serving import check_descriptor_budget
@@ -331,6 +332,94 @@ def test_a_call_a_checkpoint_waits_for_never_queues_behind_the_long_calls_to_its
     assert side.hits["/queued"] == 1
 
 
+def test_a_shared_pool_bounds_the_calls_in_use_not_the_idle_connections_kept_for_another_host() -> None:
+    """Why a server may give another its own pool: aiohttp's bound in all leaves idle connections out."""
+
+    async def scenario(first: str, second: str, side: ServerSide) -> None:
+        downstream = Downstream(checkpointing=False, connector_limit=2, connector_limit_per_host=2)
+        try:
+            await asyncio.gather(*(downstream.post(second, "/quick", {}) for _ in range(2)))
+            held = [asyncio.create_task(downstream.post(first, "/hold", {})) for _ in range(2)]
+            give_up = time.monotonic() + DEADLINE
+            while side.active < 2 and time.monotonic() < give_up:
+                await asyncio.wait(held, timeout=0.01)
+            assert side.active == 2  # both went out: the two idle connections to the other host were not counted
+            side.let_go()
+            await asyncio.gather(*held)
+        finally:
+            await downstream.close()
+
+    with served(keep_alive=30.0) as (first, side), served(keep_alive=30.0) as (second, other):
+        asyncio.run(scenario(first, second, side))
+        assert other.opened == 2 and side.opened == 2  # four connections open at once under a bound of two
+
+
+def test_a_server_with_a_bound_of_its_own_gets_a_pool_of_its_own() -> None:
+    async def scenario(first: str, second: str, side: ServerSide, other: ServerSide) -> list[Any]:
+        downstream = Downstream(
+            checkpointing=False, connector_limit=1, connector_limit_per_host=1, limit_by_url={second + "/": 2}
+        )
+        try:
+            long = asyncio.create_task(downstream.post(first, "/hold", {}))
+            own = [asyncio.create_task(downstream.post(second, "/hold", {})) for _ in range(3)]
+            give_up = time.monotonic() + DEADLINE
+            while (side.active, other.active) != (1, 2) and time.monotonic() < give_up:
+                await asyncio.wait([long, *own], timeout=0.01)
+            # the shared pool's one connection is held, and two calls to the other server went out beside it
+            assert (side.active, other.active) == (1, 2)
+            assert other.hits["/hold"] == 2  # the third waits in that server's own pool
+            side.let_go()
+            other.let_go()
+            return [reply for reply, _ in await asyncio.gather(long, *own)]
+        finally:
+            await downstream.close()
+
+    with served(keep_alive=30.0) as (first, side), served(keep_alive=30.0) as (second, other):
+        replies = asyncio.run(scenario(first, second, side, other))
+    assert replies == [{"ok": True}] * 4
+    assert (other.peak, other.opened, other.hits["/hold"]) == (2, 2, 3)
+
+
+def test_a_bound_by_url_must_name_a_base_url_and_be_zero_or_more() -> None:
+    config = _environment(data_connector_limit_by_url={"http://127.0.0.1:9002/": 50})
+    assert config.data_connector_limit_by_url == {"http://127.0.0.1:9002": 50}
+    for bounds, why in [
+        ({"resources": 50}, "no server's base URL"),
+        ({"http://127.0.0.1:9002": -1}, "0 \\(no limit\\)"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            _environment(data_connector_limit_by_url=bounds)
+
+
+def test_a_stack_file_names_the_server_of_a_bound_by_its_name() -> None:
+    from gymckpt.stack.supervisor import checked_stack, server_configs
+
+    spec = {
+        "servers": [
+            {"name": "resources", "kind": "counter"},
+            {"name": "agent", "kind": "agent", "config": {"model_url": "http://127.0.0.1:9000"}},
+            {
+                "name": "environment",
+                "kind": "environment",
+                "config": {
+                    "agent_url": "{agent}",
+                    "resources_url": "{resources}",
+                    "data_connector_limit_by_url": {"{resources}": 64},
+                },
+            },
+        ]
+    }
+    path, _, entries, checkpoint = checked_stack(spec)
+    urls = {"resources": "http://127.0.0.1:9002", "agent": "http://127.0.0.1:9001"}
+    configs = server_configs(entries, checkpoint, urls, path)
+    assert configs["environment"]["data_connector_limit_by_url"] == {"http://127.0.0.1:9002": 64}
+    spec["servers"][2]["config"]["data_connector_limit_by_url"] = {"{resource}": 64}
+    with pytest.raises(
+        SettingsError, match=re.escape("'{resource}' names no server of this stack; did you mean '{resources}'")
+    ):
+        server_configs(checked_stack(spec)[2], checkpoint, urls, path)
+
+
 def test_the_awaited_lane_is_small_and_never_larger_than_the_data_pool() -> None:
     assert transport.awaited_pool_limit(1024) == transport.AWAITED_POOL_LIMIT == 128
     assert transport.awaited_pool_limit(16) == 16
@@ -440,6 +529,20 @@ def test_the_startup_check_warns_naming_the_option_when_the_pool_takes_more_than
     assert len(warnings) == 1
     assert "1056 connections leave only 200 of the descriptor limit 1512" in warnings[0]
     assert "data_connector_limit" in warnings[0] and "ulimit -Hn" in warnings[0]
+
+
+def test_the_startup_check_counts_each_server_at_its_own_bound(caplog: pytest.LogCaptureFixture) -> None:
+    own = {"http://127.0.0.1:9002": 100, "http://127.0.0.1:9003": 50}  # one the config names, one it does not
+    config = _environment(data_connector_limit=5000, data_connector_limit_per_host=400, data_connector_limit_by_url=own)
+    with caplog.at_level(logging.INFO, logger="gymckpt.stack.serving"):
+        budget = check_descriptor_budget("environment", config, limits=(20_000, 20_000))
+    # the agent at 400, the resources server at 100, the third at 50, and the awaited lane to each of the three
+    assert budget.outbound == 400 + 100 + 50 + 3 * transport.AWAITED_POOL_LIMIT
+    assert "(3 server(s) downstream)" in caplog.records[0].getMessage()
+    # the bound in all counts the calls in use only, never the idle connections: it does not lower the budget
+    assert check_descriptor_budget(
+        "environment", _environment(data_connector_limit=100), limits=(20_000, 20_000)
+    ).outbound == (2 * transport.downstream_pool_limit(20_000) + 2 * transport.AWAITED_POOL_LIMIT)
 
 
 def test_the_startup_check_warns_about_an_unbounded_pool(caplog: pytest.LogCaptureFixture) -> None:
