@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import logging
 import uuid
+from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,9 +59,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StagedTokens:
-    """One entry of the token store: a generation's token ids and what they were generated for."""
+    """One entry of the token store: a generation's token ids and what they were generated for.
 
-    tokens: list[int]
+    The ids are an ``array("i")``: the store keeps every completed generation, and an array,
+    unlike a list of ints, is nothing the cyclic garbage collector walks.
+    """
+
+    tokens: array[int]
     seed: int
     prompt_sha256: str
     max_tokens: int
@@ -98,9 +103,10 @@ class _Live:
     seed: int
     prompt_sha256: str
     max_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    #: the logprob of each token so far
-    logprobs: list[float] = field(default_factory=list)
+    #: the tokens so far, and the logprob of each: arrays, which the cyclic garbage collector never walks
+    #: (thousands decode at once) and which pack without a copy (:mod:`gymckpt.servers.token_codec`)
+    tokens: array[int] = field(default_factory=lambda: array("i"))
+    logprobs: array[float] = field(default_factory=lambda: array("d"))
     #: the checkpoint whose cut froze this generation (None: decoding), and until when (the loop's clock)
     frozen_by: str | None = None
     frozen_until: float = 0.0
@@ -290,7 +296,7 @@ class InferenceBackend:
         if text is None:
             text = token_text(tokens)
         self.staged[key] = StagedTokens(
-            list(tokens),
+            array("i", tokens),
             request.seed,
             prompt_sha256,
             request.max_tokens,
@@ -306,13 +312,13 @@ class InferenceBackend:
                 "call_id": request.call_id,
                 "prompt_sha256": prompt_sha256,
                 "seed": request.seed,
-                "tokens": list(tokens),
+                "tokens": tuple(tokens),  # untracked by the garbage collector, as the log grows
                 "staging_key": key,
                 "generated": generated,
                 "continued_from": continued_from,
             }
         )
-        return Generated(list(tokens), key, generated, continued_from, logprobs, text)
+        return Generated(list(tokens), key, generated, continued_from, list(logprobs), text)
 
     async def generate(self, request: GenerateRequest, client: ClientWatch) -> Generated | None:
         """Produce the tokens one by one; None if the ``client`` went away before the end.
@@ -489,7 +495,7 @@ class InferenceBackend:
         if live is not None:  # still decoding: stage what it has and freeze it there until the release
             live.frozen_by = checkpoint_id
             live.frozen_until = asyncio.get_running_loop().time() + FREEZE_SECONDS
-            tokens = list(live.tokens)
+            tokens = array("i", live.tokens)
             staged = self.staged[key] = StagedTokens(
                 tokens,
                 live.seed,
@@ -504,7 +510,7 @@ class InferenceBackend:
             return {**ack, **packed_prefix(tokens, live.logprobs[: len(tokens)])}
         done = self.staged.get(calls_staging_key(prefix.model_call_id))
         if done is not None and done.complete:
-            tokens = list(done.tokens)
+            tokens = array("i", done.tokens)
             self.staged[key] = StagedTokens(
                 tokens,
                 done.seed,

@@ -21,7 +21,9 @@ TOKEN_ENCODING = "base64:int32le,float64le"
 _SWAP = sys.byteorder != "little"
 
 
-def _pack(kind: str, values: list[int] | list[float]) -> str:
+def _pack(kind: str, values: list[int] | list[float] | array) -> str:  # type: ignore[type-arg]
+    if isinstance(values, array) and values.typecode == kind and not _SWAP:
+        return base64.b64encode(values).decode("ascii")  # its bytes as they are: no copy
     packed = array(kind, values)
     if _SWAP:
         packed.byteswap()
@@ -36,12 +38,12 @@ def _unpack(kind: str, text: str) -> array:  # type: ignore[type-arg]
     return values
 
 
-def pack_token_ids(tokens: list[int]) -> str:
+def pack_token_ids(tokens: list[int] | array) -> str:  # type: ignore[type-arg]
     """Token ids (each within int32) as base64 of little-endian int32."""
     return _pack("i", tokens)
 
 
-def pack_logprobs(logprobs: list[float]) -> str:
+def pack_logprobs(logprobs: list[float] | array) -> str:  # type: ignore[type-arg]
     """Logprobs as base64 of little-endian float64 (exact)."""
     return _pack("d", logprobs)
 

@@ -117,7 +117,7 @@ def test_a_cut_mid_generation_then_a_continuation_gives_the_uncut_tokens() -> No
             assert ack["terminal_finish_reason"] is None and ack["terminal_stop_reason"] is None
             assert len(ack["frozen_buffer_id"]) == 32 and int(ack["frozen_buffer_id"], 16) >= 0
             staged = backend.staged[key]
-            assert staged.tokens == generate_tokens(SEED, PROMPT, k)
+            assert list(staged.tokens) == generate_tokens(SEED, PROMPT, k)
             assert not staged.complete
             assert (staged.seed, staged.max_tokens) == (SEED, N)
             assert staged.prompt_sha256 == hashlib.sha256(PROMPT.encode()).hexdigest()
@@ -169,7 +169,7 @@ def test_a_cut_generation_is_frozen_until_released_and_a_later_cut_is_longer() -
             assert second["cut_kind"] == "active_prefix"
             assert N > second["prefix_token_count"] > first["prefix_token_count"]
             assert second["staging_keys"] == first["staging_keys"]
-            assert backend.staged[second["staging_keys"][0]].tokens == generate_tokens(
+            assert list(backend.staged[second["staging_keys"][0]].tokens) == generate_tokens(
                 SEED, PROMPT, second["prefix_token_count"]
             )
             backend.resume()
@@ -193,7 +193,7 @@ def test_a_completed_call_cuts_as_a_terminal_completion_and_continues_at_once() 
             assert ack["terminal_finish_reason"] == "length"
             assert ack["effective_output_limit"] == 1
             assert ack["staging_keys"] == ["__generation_cut__/r/r-a0:1"]
-            assert backend.staged["__generation_cut__/r/r-a0:1"].tokens == done["tokens"]
+            assert list(backend.staged["__generation_cut__/r/r-a0:1"].tokens) == done["tokens"]
 
             backend.pause()  # no decoding happens: the reply cannot wait on a token
             body = _body("r-a1:1", max_tokens=5, ng_capture=_continuation(ack))
@@ -255,7 +255,7 @@ def test_a_retried_call_in_flight_twice_cuts_the_latest() -> None:
             [ack] = (await _cut(client, _prefix("r-a0:0")))["prefixes"]
             staged = backend.staged[ack["staging_keys"][0]]
             assert staged.prompt_sha256 == hashlib.sha256(b"second").hexdigest()
-            assert staged.tokens == generate_tokens(SEED, "second", ack["prefix_token_count"])
+            assert list(staged.tokens) == generate_tokens(SEED, "second", ack["prefix_token_count"])
             backend.resume()
             await client.post(GENERATION_CUT_ROUTE + "/release", json={"checkpoint_id": "ck-1"})
             await bounded(asyncio.gather(older, newer))

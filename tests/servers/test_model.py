@@ -91,7 +91,7 @@ def test_the_policy_is_deterministic_tool_calls_then_a_final_message() -> None:
             # the backend's log: one completed call per model call, named <capture key>:<tool results so far>
             call_ids = [call["call_id"] for call in inference.backend.calls]
             assert call_ids == [*(f"r:{n}" for n in range(4)), *(f"other-rollout-a2:{n}" for n in range(4))]
-            assert inference.backend.calls[0]["tokens"] == _expected_tokens(list(QUESTION))
+            assert list(inference.backend.calls[0]["tokens"]) == _expected_tokens(list(QUESTION))
 
     run(main)
 

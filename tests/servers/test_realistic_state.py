@@ -108,7 +108,7 @@ def test_a_cut_ack_carries_the_prefix_token_ids_and_their_logprobs(tmp_path: Pat
             (record,) = open_store(str(tmp_path / "cut")).read_participant("", kind="model", instance="model-0")
             (cut,) = record["generation_cuts"]
             prefix = cut["prefix"]
-            assert unpack_token_ids(prefix["token_ids"]) == staged.tokens and len(staged.tokens) % 4 == 0
+            assert unpack_token_ids(prefix["token_ids"]) == list(staged.tokens) and len(staged.tokens) % 4 == 0
             expected = token_logprobs(staged.seed, staged.prompt_sha256, len(staged.tokens))
             assert unpack_logprobs(prefix["logprobs"]) == expected and prefix["encoding"] == TOKEN_ENCODING
             assert cut["continuation"]["prefix_token_count"] == len(staged.tokens)
@@ -144,7 +144,7 @@ def test_ledger_rows_hold_token_ids_and_logprobs_and_replies_their_reasoning(tmp
             assert committed.status_code == 200, committed.text
         (record,) = open_store(str(tmp_path / "c")).read_participant("", kind="model", instance="model-0")
         (row,) = record["rows"]
-        assert unpack_token_ids(row["token_ids"]) == logged["tokens"] and row["tokens"] == 24
+        assert unpack_token_ids(row["token_ids"]) == list(logged["tokens"]) and row["tokens"] == 24
         assert unpack_logprobs(row["logprobs"]) == token_logprobs(logged["seed"], logged["prompt_sha256"], 24)
         assert row["encoding"] == TOKEN_ENCODING
 
