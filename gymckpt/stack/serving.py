@@ -364,8 +364,9 @@ def check_descriptor_budget(
     )
     if outbound is None:
         logger.warning(
-            "%s: the data pool has no bound (data_connector_limit and data_connector_limit_per_host are 0): "
-            "under load its connections may take every descriptor; set either in the server config",
+            "%s: the data pool has no bound towards some server (data_connector_limit and "
+            "data_connector_limit_per_host are 0, or its data_connector_limit_by_url is): "
+            "under load its connections may take every descriptor; set a bound in the server config",
             kind,
         )
     elif not budget.fits:

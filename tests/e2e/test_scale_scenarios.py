@@ -117,9 +117,8 @@ def test_a_data_pool_limit_reaches_every_gym_server_and_not_the_inference_backen
     own = default_stack_spec(token="t", data_pool_limit=9_000, resources_pool_limit=512)
     bounds = {server["name"]: server.get("config", {}).get("data_connector_limit_by_url") for server in own["servers"]}
     # the two that call the resources server give it a pool of its own
-    assert bounds == dict.fromkeys(("inference", "model", "resources"), None) | dict.fromkeys(
-        ("agent", "environment"), {"{resources}": 512}
-    )
+    calling = {"agent": {"{resources}": 512}, "environment": {"{resources}": 512}}
+    assert bounds == {"inference": None, "model": None, "resources": None, **calling}
     assert configs["resources"]["output_chars"] == StateSizes().tool_output_chars  # kept beside the pool
     assert "data_connector_limit" not in configs["inference"]
     assert all(
