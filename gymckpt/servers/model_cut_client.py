@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 
 from gymckpt import transport
-from gymckpt.errors import DownstreamError
+from gymckpt.errors import DownstreamError, ReplyTooLarge
 from gymckpt.servers.base import server_workers
 from gymckpt.servers.inference_wire import GENERATION_CUT_ROUTE, inventory_digest
 from gymckpt.servers.json_body import parse_json
@@ -28,13 +28,14 @@ def _read_receipt(raw: bytes) -> Any:
         return parse_json(raw)
 
 
-#: how long the cut's own connection may wait for a byte, in seconds (the caller's deadline ends its wait sooner)
+#: how long the cut's own connection may wait for a byte, in seconds (a caller's deadline stops waiting for the
+#: thread sooner; the thread then ends with its socket)
 CUT_SOCKET_SECONDS = 60.0
 
 
 def _post_blocking(url: str, body: bytes, headers: dict[str, str], limit: int, seconds: float) -> tuple[int, bytes]:
     """POST ``body`` on a connection of its own, in the calling thread; the status and the reply (at most ``limit``
-    bytes, else :class:`DownstreamError`)."""
+    bytes, else :class:`~gymckpt.errors.ReplyTooLarge`, as :func:`gymckpt.transport.read_bounded` refuses one)."""
     parts = urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     connection = kind(parts.hostname or "", parts.port, timeout=seconds)
@@ -42,11 +43,16 @@ def _post_blocking(url: str, body: bytes, headers: dict[str, str], limit: int, s
         connection.request("POST", parts.path or "/", body=body, headers=headers)
         response = connection.getresponse()
         length = response.getheader("Content-Length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise DownstreamError(f"{url} answered {length} bytes, over the bound of {limit}", url=url)
-        raw = response.read(limit + 1)
-        if len(raw) > limit:
-            raise DownstreamError(f"{url} answered more than the bound of {limit} bytes", url=url)
+        said = int(length) if length is not None and length.isdigit() else 0
+        raw = b"" if said > limit else response.read(limit + 1)  # Content-Length alone may refuse it
+        if said > limit or len(raw) > limit:
+            raise ReplyTooLarge(
+                f"{url} answered {response.status} with more than the bound of {limit} bytes",
+                url=url,
+                downstream_status=response.status,
+                limit=limit,
+                received=len(raw),
+            )
         return response.status, raw
     except (OSError, http.client.HTTPException) as exc:
         raise DownstreamError(f"{url} gave no reply: {type(exc).__name__}: {exc}", url=url) from exc

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gymckpt import transport
-from gymckpt.errors import DownstreamError
+from gymckpt.errors import DownstreamError, ReplyTooLarge
 from gymckpt.servers import model_cut_client
 from gymckpt.servers.inference import InferenceConfig, build_inference_app
 from gymckpt.servers.model_cut_client import GenerationCutClient
@@ -58,8 +58,12 @@ def test_a_cut_reads_and_checks_its_receipt_off_the_event_loop(monkeypatch: pyte
 
 def test_a_receipt_over_the_reply_bound_fails_the_cut_naming_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(transport.REPLY_LIMIT_ENV, "1000")
-    with serve(build_inference_app(InferenceConfig())) as url, pytest.raises(DownstreamError, match="bound of 1000"):
+    with (
+        serve(build_inference_app(InferenceConfig())) as url,
+        pytest.raises(ReplyTooLarge, match="bound of 1000") as refused,
+    ):
         _cut(url, [_prefix(number) for number in range(20)])
+    assert (refused.value.limit, refused.value.downstream_status) == (1000, 200)  # typed as every bounded reply
 
 
 def test_a_backend_that_is_not_there_fails_the_cut_as_no_reply() -> None:
