@@ -230,26 +230,18 @@ def _owner_tail(line: bytes) -> re.Match[bytes] | None:
     return _OWNER_TAIL.search(line, max(0, len(line) - _TAIL_BYTES))
 
 
-#: quotes :func:`_names_a_placed_field` looks at one by one before it searches the line for the names
-_QUOTES_WALKED = 256
+#: the names of the fields placement reads besides the id, as a line's bytes spell a key or a string
+_PLACED_NAMES = re.compile(rb'"(?:owner|session_id)"')
 
 
 def _names_a_placed_field(line: bytes, end: int) -> bool:
     """True when ``line[:end]`` holds ``"owner"`` or ``"session_id"``.
 
-    Most of a session's bytes are long strings with few quotes: the quotes are found at memchr's
-    speed and each is looked at, several times faster than searching for the names; a line
-    with many quotes is searched.
+    One regular-expression search in C: on a model's ledger lines (about 130 quotes in 4.9 KB)
+    it is 20 times faster than looking at each quote from Python, and on long strings with few
+    quotes no slower.
     """
-    find, at = line.find, line.startswith
-    position = find(b'"', 0, end)
-    for _ in range(_QUOTES_WALKED):
-        if position < 0:
-            return False
-        if at(b'"owner"', position, end) or at(b'"session_id"', position, end):
-            return True
-        position = find(b'"', position + 1, end)
-    return line.find(b'"owner"', 0, end) >= 0 or line.find(b'"session_id"', 0, end) >= 0
+    return _PLACED_NAMES.search(line, 0, end) is not None
 
 
 def placed_fields(episode_id: str, line: bytes) -> dict[str, Any] | None:
