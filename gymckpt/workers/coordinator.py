@@ -76,7 +76,7 @@ from gymckpt.workers.coordinator_fields import (
 from gymckpt.workers.coordinator_records import RecordsAcrossWorkers
 from gymckpt.workers.messages import Message, deadline_timeout
 from gymckpt.workers.placement import is_whole_episode
-from gymckpt.workers.scatter import holds_no_record
+from gymckpt.workers.scatter import line_holds
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -135,8 +135,8 @@ class CoordinatedParticipant(RecordsAcrossWorkers, Participant):
         #: each worker's readiness as it answered the last status while admission was open
         self._open_reports: dict[int, PrepareReport] = {}
         self._holds = holds if holds is not None else (lambda record: is_whole_episode(kind, record))
-        #: no record is ever held (a session kind, default predicate): a restore moves undecoded lines
-        self._holds_none = holds is None and holds_no_record(kind)
+        #: the same rule for a restore that reads undecoded lines (decoding only where it must)
+        self._line_holds = line_holds(kind, holds)
         #: restored whole-episode records no worker has claimed yet, by key (encoded once; decoded for a claim)
         self.held: dict[str, EncodedRecord] = {}
         self._streams = itertools.count(1)

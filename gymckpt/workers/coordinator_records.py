@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from gymckpt.store.manifest import Manifest
     from gymckpt.workers.coordinator import ConnectedWorker
     from gymckpt.workers.gather import Gathered
+    from gymckpt.workers.scatter import Holds
 
 __all__ = ["RecordsAcrossWorkers"]
 
@@ -49,7 +50,7 @@ class RecordsAcrossWorkers:
         _gathered: Gathered | None
         _reply_extra: dict[str, Any]
         _holds: Callable[[dict[str, Any]], bool]
-        _holds_none: bool
+        _line_holds: Holds
 
         @property
         def fence(self) -> RetireMarks: ...
@@ -142,13 +143,12 @@ class RecordsAcrossWorkers:
         """
         await self._until_every_worker_joined()
         extra = manifest.extra if manifest is not None else {}
-        # a session kind's records from gymckpt's own file: moved as undecoded lines (see gymckpt.workers.scatter)
+        # records from gymckpt's own file move as undecoded lines (see gymckpt.workers.scatter)
         lines: Callable[..., Iterable[tuple[str, bytes]]] | None = (
-            getattr(records, "lines", None) if getattr(records, "lines_readable", False) and self._holds_none else None
+            getattr(records, "lines", None) if getattr(records, "lines_readable", False) else None
         )
         if lines is not None:
-            held: dict[str, EncodedRecord] = {}
-            placed = await asyncio.to_thread(survey_lines, lines(rekeyed=False))
+            held, placed = await asyncio.to_thread(survey_lines, lines(rekeyed=False), self._line_holds)
         else:
             held, placed = await asyncio.to_thread(survey, records, self._holds)
         routing = {index: worker.routing_id for index, worker in self.workers.items()}

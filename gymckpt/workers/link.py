@@ -462,6 +462,11 @@ class WorkerLink:
         return {}
 
     async def _on_install(self, body: object) -> dict[str, Any]:
+        with paused_gc():  # the staged share and what install makes of it: no collection until it is installed
+            await self._install_staged(body)
+        return {}
+
+    async def _install_staged(self, body: object) -> None:
         participant = self.participant
         records = self._staging.finish(_field(body, "stream", int), _field(body, "count", int))
         scope = _keys(body, "scope")
@@ -474,4 +479,3 @@ class WorkerLink:
             path = _field(manifest, "path", str)
             parsed = Manifest.parse(raw, path=path, kind=participant.kind, instance=participant.instance)
         await participant.install(records, scope, parsed)  # type: ignore[arg-type]
-        return {}

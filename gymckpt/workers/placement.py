@@ -32,7 +32,7 @@ from gymckpt.errors import ControlError, InvalidCheckpointState, ManifestFieldIn
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
 
-__all__ = ["WHOLE_EPISODE", "Placement", "is_routing_id", "is_whole_episode", "place_records"]
+__all__ = ["WHOLE_EPISODE", "Placement", "is_routing_id", "is_whole_episode", "place_records", "whole_episode_rule"]
 
 _ROUTING_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -68,6 +68,17 @@ WHOLE_EPISODE: dict[str, Callable[[dict[str, Any]], bool]] = {
     # routed to the worker that holds it
     "model": _no_record,
 }
+
+
+def whole_episode_rule(kind: str) -> bool | Callable[[dict[str, Any]], bool]:
+    """A kind's rule of :data:`WHOLE_EPISODE` as a constant where it is one: ``True`` (every record is
+    whole-episode, unknown kinds too), ``False`` (none is), else its predicate."""
+    rule = WHOLE_EPISODE.get(kind, _every_record)
+    if rule is _every_record:
+        return True
+    if rule is _no_record:
+        return False
+    return rule
 
 
 def is_whole_episode(kind: str, record: dict[str, Any]) -> bool:

@@ -15,12 +15,14 @@ loop), and never held together in the coordinator:
    for the answer to its previous one (:class:`ChunkSender`). The coordinator holds one
    record and a chunk or two per worker.
 
-Where the records file is gymckpt's own and the participant's kind holds no whole-episode
-records (a session kind: resources, model), both reads take the lines undecoded
-(:func:`survey_lines`, :func:`scatter_lines`): placement's fields are read from a line's
-bytes (:func:`placed_fields`; a line they cannot be read from is decoded), and a line goes to
-its worker as it was read, its owner stamped in its bytes. The coordinator then neither
-decodes nor encodes a session's state; its worker decodes the line once.
+Where the records file is gymckpt's own (not a reference checkpoint), both reads take the
+lines undecoded (:func:`survey_lines`, :func:`scatter_lines`). A kind whose every record is
+whole-episode (an environment) has its lines held as they were read, none decoded; a session
+kind's (resources, model) placement fields are read from a line's bytes (:func:`placed_fields`;
+a line they cannot be read from is decoded); a kind with both (an agent) has each line decoded
+once to tell which it is, and a held line is kept as it was read. A session's line goes to its
+worker as it was read, its owner stamped in its bytes: the coordinator encodes no record, and
+the worker decodes each line once.
 
 Nothing is installed until every chunk arrived (the caller then sends ``install``): a
 damaged file or a worker lost on the way fails the restore with nothing installed.
@@ -29,25 +31,27 @@ damaged file or a worker lost on the way fails the restore with nothing installe
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gymckpt.errors import InvalidCheckpointState
-from gymckpt.store.codec import EncodedRecord, decode_line, encoded
+from gymckpt.store.codec import EncodedRecord, decode_line, encoded, rekeyed_line
 from gymckpt.workers.coordinator_fields import owner_aliases, with_session_id, without_session_id
-from gymckpt.workers.placement import WHOLE_EPISODE, _no_record, place_records
+from gymckpt.workers.placement import place_records, whole_episode_rule
 from gymckpt.workers.streams import CHUNK_BYTES
 
 if TYPE_CHECKING:
     import concurrent.futures
-    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from collections.abc import Iterable, Iterator, Mapping
 
 __all__ = [
     "ChunkSender",
     "ScatterPlan",
-    "holds_no_record",
+    "Holds",
+    "line_holds",
     "placed_fields",
     "plan_scatter",
     "scatter",
@@ -221,11 +225,6 @@ def _chunked(
     return sent
 
 
-def holds_no_record(kind: str) -> bool:
-    """True for a kind whose records are all sessions (placement's table holds none of them whole)."""
-    return WHOLE_EPISODE.get(kind) is _no_record
-
-
 def _owner_tail(line: bytes) -> re.Match[bytes] | None:
     return _OWNER_TAIL.search(line, max(0, len(line) - _TAIL_BYTES))
 
@@ -261,21 +260,50 @@ def placed_fields(episode_id: str, line: bytes) -> dict[str, Any] | None:
     return {"episode_id": episode_id, "owner": tail.group(1).decode("ascii")}
 
 
-def survey_lines(lines: Iterable[tuple[str, bytes]]) -> list[dict[str, Any]]:
-    """The first read of undecoded lines (a kind without whole-episode records): what placement reads.
+#: what a coordinator holds of a kind's records: ``True`` every one (nothing to decode), ``False`` none
+#: (placement's fields read from the bytes), or a predicate of the decoded record
+Holds = bool | Callable[[dict[str, Any]], bool]
 
-    Each line comes with the key it is restored under; its own leading id is not read.
+
+def line_holds(kind: str, holds: Callable[[dict[str, Any]], bool] | None) -> Holds:
+    """What :func:`survey_lines` needs to know of a kind's records: ``holds``, or the kind's own rule as
+    ``True`` (every record whole-episode), ``False`` (none) or its predicate."""
+    return holds if holds is not None else whole_episode_rule(kind)
+
+
+def survey_lines(
+    lines: Iterable[tuple[str, bytes]], holds: Holds = False
+) -> tuple[dict[str, EncodedRecord], list[dict[str, Any]]]:
+    """:func:`survey` of undecoded lines, each with the key it is restored under (its own leading id is
+    not read): the whole-episode lines held as they are, rekeyed, and what placement reads of the others.
+
+    A line is decoded only where ``holds`` is a predicate, or where placement's fields cannot be
+    read from its bytes (:func:`placed_fields`); a held line is never encoded again.
     """
+    held: dict[str, EncodedRecord] = {}
     placed: list[dict[str, Any]] = []
     for episode_id, line in lines:
-        fields = placed_fields(episode_id, line)
+        fields = None
+        if holds is True:
+            held[episode_id] = _held_line(episode_id, line)
+            continue
+        if holds is False:
+            fields = placed_fields(episode_id, line)
         if fields is None:
             record = decode_line(line)
             record["episode_id"] = episode_id
+            if holds is not False and holds(record):
+                held[episode_id] = _held_line(episode_id, line)
+                continue
             fields = with_session_id({name: record[name] for name in _PLACED_FIELDS if name in record})
         placed.append(fields)
         del line
-    return placed
+    return held, placed
+
+
+def _held_line(episode_id: str, line: bytes) -> EncodedRecord:
+    """A verified line as a held record: its leading id rewritten to ``episode_id``, its newline put back."""
+    return EncodedRecord(episode_id, rekeyed_line(line, episode_id) + b"\n")
 
 
 def _prepared_line(episode_id: str, line: bytes, stamp: str | None) -> bytes:

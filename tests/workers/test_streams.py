@@ -23,7 +23,8 @@ from gymckpt.store import open_store
 from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.workers.coordinator_fields import with_session_id
-from gymckpt.workers.scatter import _prepared, _prepared_line, survey_lines
+from gymckpt.workers.placement import whole_episode_rule
+from gymckpt.workers.scatter import _prepared, _prepared_line, survey, survey_lines
 from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging
 
 from ..support import error_code
@@ -134,9 +135,9 @@ def _session_records(count: int) -> list[dict[str, Any]]:
     return [{"episode_id": f"s{number}", "state": _state(number)} for number in range(count)]
 
 
-def _write_sessions(checkpoint: Path, records: list[dict[str, Any]]) -> None:
+def _write_sessions(checkpoint: Path, records: list[dict[str, Any]], kind: str = "resources") -> None:
     open_store(str(checkpoint)).write_participant(
-        "", kind="resources", instance=INSTANCE, checkpoint_id="c0", records=records, extra={}
+        "", kind=kind, instance=INSTANCE, checkpoint_id="c0", records=records, extra={}
     )
 
 
@@ -201,6 +202,61 @@ async def test_a_session_kinds_restore_moves_lines_undecoded_through_the_coordin
             assert list(restored) == ["episode_id", "state", "owner"]
             assert restored["owner"] == routing_id
             assert _same(restored["state"], record["state"])
+
+
+async def test_an_environments_restore_across_workers_holds_every_line_as_read_decoding_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every environment record is whole-episode: the coordinator holds the lines, rekeyed, and a claim decodes one."""
+    records = _session_records(4)
+    _write_sessions(tmp_path / "ck", records, kind=KIND)
+
+    def refuse(*args: object, **kwargs: object) -> Any:
+        raise AssertionError("the coordinator decoded or encoded a whole-episode record")
+
+    monkeypatch.setattr(ScopeRecords, "__iter__", refuse)
+    monkeypatch.setattr(scatter_module, "encoded", refuse)
+    monkeypatch.setattr(scatter_module, "decode_line", refuse, raising=False)
+    async with cluster(tmp_path, 2) as running:
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 200, reply.text
+        held = running.coordinator.held
+        assert sorted(held) == sorted(f"{key}-a1" for key in keys)
+        for record in records:
+            key = f"{record['episode_id']}-a1"
+            assert held[key].line.endswith(b"\n") and held[key].line.count(b"\n") == 1
+            assert _same(decode_line(held[key].line), {**record, "episode_id": key})
+        assert all(worker.fake.installed == [] for worker in running.workers)
+        assert (await running.workers[0].call("resume", request("r-1"))).status_code == 200
+        claimed = await running.workers[1].link.claim("s2-a1")
+        assert _same(claimed, {**records[2], "episode_id": "s2-a1"})
+
+
+def test_a_kind_with_held_and_placed_records_is_surveyed_from_lines_as_from_decoded_records() -> None:
+    """An agent's run records are held, its sessions placed: the lines' survey equals the records' survey."""
+    records = [
+        {"episode_id": "r1", "kind": "run", "state": _state(1)},
+        {"episode_id": "s1", "kind": "session", "state": {"owner": "x"}},
+        {"episode_id": "s2", "state": 2, "owner": ROUTING[0]},
+        {"episode_id": "s3", "state": 3, "session_id": "sess"},
+        {"episode_id": "r2", "kind": "run", "state": {"nan": float("nan")}, "owner": ROUTING[1]},
+    ]
+    rule = whole_episode_rule("agent")
+    assert callable(rule)
+    lines = [(f"{record['episode_id']}-a1", encode_record(record)[1][:-1]) for record in records]
+    held, placed = survey_lines(lines, rule)
+    want_held, want_placed = survey(
+        ({**record, "episode_id": f"{record['episode_id']}-a1"} for record in records), rule
+    )
+    assert placed == want_placed
+    assert [entry["episode_id"] for entry in placed] == ["s1-a1", "s2-a1", "s3-a1"]
+    assert sorted(held) == sorted(want_held) == ["r1-a1", "r2-a1"]
+    for key, record in held.items():
+        assert record.episode_id == key
+        assert _same(decode_line(record.line), decode_line(want_held[key].line))
 
 
 async def test_a_damaged_records_file_fails_a_lines_restore_typed_with_nothing_installed(tmp_path: Path) -> None:
@@ -310,7 +366,8 @@ def test_undecoded_lines_are_placed_and_stamped_as_their_decoded_records_are(
 ) -> None:
     line = encode_record(record)[1][:-1]
     restored = {**record, "episode_id": "k-a1"}
-    [fields] = survey_lines([("k-a1", line)])
+    held, [fields] = survey_lines([("k-a1", line)])
+    assert held == {}
     assert fields == with_session_id(
         {name: restored[name] for name in ("episode_id", "owner", "session_id") if name in restored}
     )
