@@ -98,6 +98,8 @@ class ConnectedWorker:
     channel: Channel
     pid: int | None = None
     routing_id: str | None = None
+    #: the worker reads a restore's records file itself (``install_share``)
+    reads_store: bool = False
     #: the newest report of the current generation (None: none yet, or reset by close and open)
     report: PrepareReport | None = None
     #: the highest report number taken from this worker (numbers never go down, across generations)
@@ -164,6 +166,7 @@ class CoordinatedParticipant(RecordsAcrossWorkers, Participant):
             channel,
             pid=pid if type(pid) is int else None,
             routing_id=routing_id if isinstance(routing_id, str) else None,
+            reads_store=fields.get("reads_store") is True,
         )
         logger.info("%s worker %d (pid %s) registered", self.kind, index, pid)
         self._joined.set()

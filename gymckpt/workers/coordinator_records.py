@@ -17,7 +17,15 @@ from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, Inval
 from gymckpt.workers.coordinator_fields import manifest_body, merged_reply_extra
 from gymckpt.workers.gather import WorkerExport, gather_exports
 from gymckpt.workers.messages import Message
-from gymckpt.workers.scatter import ChunkSender, plan_scatter, scatter, scatter_lines, survey, survey_lines
+from gymckpt.workers.scatter import (
+    ChunkSender,
+    plan_scatter,
+    scatter,
+    scatter_lines,
+    share_lists,
+    survey,
+    survey_lines,
+)
 from gymckpt.workers.streams import CHUNK_BYTES, GatheredLines, LinePipe, LineRef, exported_records, exported_refs
 
 if TYPE_CHECKING:
@@ -31,7 +39,7 @@ if TYPE_CHECKING:
     from gymckpt.store.manifest import Manifest
     from gymckpt.workers.coordinator import ConnectedWorker
     from gymckpt.workers.gather import Gathered
-    from gymckpt.workers.scatter import Holds
+    from gymckpt.workers.scatter import Holds, ScatterPlan
 
 __all__ = ["RecordsAcrossWorkers"]
 
@@ -137,9 +145,10 @@ class RecordsAcrossWorkers:
         """Hold the whole-episode records, place the sessions, and send every worker its share and the tables.
 
         ``records`` is read twice (:mod:`gymckpt.workers.scatter`): once to hold and to place,
-        once to send each worker its share in chunks as it is read. The coordinator never keeps
-        the sessions' records; every share arrives before any worker installs, so a worker lost
-        on the way fails the restore, named, with nothing installed.
+        then by each worker for its share where every worker reads the store itself, else by the
+        coordinator, sending each worker its share in chunks as it is read. The coordinator never
+        keeps the sessions' records; every share arrives before any worker installs, so a worker
+        lost on the way fails the restore, named, with nothing installed.
         """
         await self._until_every_worker_joined()
         extra = manifest.extra if manifest is not None else {}
@@ -161,7 +170,9 @@ class RecordsAcrossWorkers:
         self.aliases, self.placements = plan.aliases, plan.placements
         self.owner_aliases = {old: new for old, new in plan.aliases.items() if old != new}
         stream = next(self._streams)
-        if plan.targets:
+        if plan.targets and lines is not None and self._workers_read(plan, records, manifest):
+            await self._send_shares(stream, plan, records, manifest)
+        elif plan.targets:
             loop = asyncio.get_running_loop()
 
             def submit(index: int, chunk: list[list[Any]]) -> concurrent.futures.Future[None]:
@@ -181,6 +192,28 @@ class RecordsAcrossWorkers:
         }
         bodies = {index: {**base, "count": count} for index, count in plan.counts.items()}
         await self._call_each(bodies, Message.INSTALL, timeout=None, lost_fails=True)
+
+    def _workers_read(self, plan: ScatterPlan, records: object, manifest: Manifest | None) -> bool:
+        """True when every worker with a share reads the records file itself (and can be told where it is)."""
+        return (
+            manifest_body(manifest) is not None
+            and isinstance(getattr(records, "next_keys", None), dict)
+            and getattr(getattr(records, "store", None), "url", None) is not None
+            and all(index in self.workers and self.workers[index].reads_store for index in plan.counts)
+        )
+
+    async def _send_shares(self, stream: int, plan: ScatterPlan, records: Any, manifest: Manifest | None) -> None:
+        """Tell each worker its share; the workers read the records file at once, each keeping its own."""
+        shares = share_lists(plan, records.next_keys)
+        base = {"stream": stream, "checkpoint_dir": records.store.url, "manifest": manifest_body(manifest)}
+        bodies = {index: {**base, "share": share} for index, share in shares.items()}
+        replies = await self._call_each(bodies, Message.INSTALL_SHARE, timeout=None, lost_fails=True)
+        for index, reply in replies.items():
+            count = reply.get("count") if isinstance(reply, dict) else None
+            if count != plan.counts[index]:
+                raise InvalidCheckpointState(
+                    f"{self._who(index)} read {count!r} records of its share of {plan.counts[index]}"
+                )
 
     async def _send_chunk(self, index: int, stream: int, chunk: list[list[Any]]) -> None:
         """One chunk of worker ``index``'s share; a failure names the worker."""

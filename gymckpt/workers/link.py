@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gymckpt.control._tasks import close_store
 from gymckpt.control.plane import readiness_report
 from gymckpt.errors import CoordinatorUnavailable, GymckptError, InvalidPhase, InvalidRequest, RetireIncomplete
 from gymckpt.gc_pause import paused_gc
@@ -54,6 +55,7 @@ from gymckpt.store.manifest import Manifest
 from gymckpt.workers import messages
 from gymckpt.workers.channel import Channel
 from gymckpt.workers.messages import Message
+from gymckpt.workers.scatter import read_share
 from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, owner_of
 
 if TYPE_CHECKING:
@@ -61,8 +63,25 @@ if TYPE_CHECKING:
 
     from gymckpt.control.models import PrepareReport
     from gymckpt.control.participant import Participant
+    from gymckpt.store.checkpoint_store import CheckpointStore
 
 __all__ = ["CONNECT_RETRY_SECONDS", "WorkerLink", "local_report", "terminate_this_worker"]
+
+
+def _read_share(store: CheckpointStore, manifest: Manifest, share: list[Any]) -> dict[int, dict[str, Any]]:
+    """This worker's share of the records file (its thread; the whole file is verified)."""
+    for entry in share:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], str)
+            and type(entry[2]) is int
+            and (entry[3] is None or isinstance(entry[3], str))
+        ):
+            raise InvalidRequest("a share's records are [stored id, key, position, owner | null]")
+    return read_share(store.read_lines(manifest, scope={entry[0] for entry in share}), share)
+
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +125,11 @@ class WorkerLink:
         routing_id: str | None = None,
         connect_timeout: float = messages.MESSAGE_TIMEOUT_SECONDS,
         on_routes: Callable[[dict[str, str], dict[str, str]], None] | None = None,
+        open_store: Callable[[str], CheckpointStore] | None = None,
     ) -> None:
         self.participant = participant
+        #: opens a restore's checkpoint directory as the server's settings allow (None: the coordinator sends the share)
+        self.open_store = open_store
         self.socket_path = Path(socket_path)
         self.on_coordinator_lost = on_coordinator_lost or terminate_this_worker
         self.routing_id = routing_id
@@ -161,7 +183,7 @@ class WorkerLink:
         self._watcher = asyncio.create_task(self._watch(channel), name="gymckpt-coordinator-watch")
         async with self._admission:  # a close or open sent right after the join waits for the adoption
             try:
-                body = {"pid": os.getpid(), "routing_id": self.routing_id}
+                body = {"pid": os.getpid(), "routing_id": self.routing_id, "reads_store": self.open_store is not None}
                 state = await channel.request(Message.REGISTER, body, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
                 await self._adopt(state)
             except BaseException:
@@ -231,6 +253,7 @@ class WorkerLink:
             Message.EXPORT: self._on_export,
             Message.SEND_RECORDS: self._on_send_records,
             Message.INSTALL: self._on_install,
+            Message.INSTALL_SHARE: self._on_install_share,
             Message.LIVE_WORK: self._on_live_work,
             Message.PARK: self._on_park,
             Message.DELETE_RESTORED: self._on_delete_restored,
@@ -461,6 +484,28 @@ class WorkerLink:
         self._staging.take(body)
         return {}
 
+    async def _on_install_share(self, body: object) -> dict[str, Any]:
+        """Read this worker's share of a restore from the records file itself (verified whole), and keep it."""
+        if self.open_store is None:
+            raise InvalidRequest("this worker does not open the store: send its share in chunks")
+        stream = _field(body, "stream", int)
+        share = _field(body, "share", list)
+        manifest = self._manifest_of(_field(body, "manifest", dict))
+        self._staging.begin(stream)
+        store = self.open_store(_field(body, "checkpoint_dir", str))
+        try:
+            records = await asyncio.to_thread(_read_share, store, manifest, share)
+        finally:
+            await close_store(store)
+        self._staging.take_share(stream, records)
+        return {"count": len(records)}
+
+    def _manifest_of(self, body: dict[str, Any]) -> Manifest:
+        """A manifest sent as ``{path, raw}``, parsed for this worker's participant."""
+        participant = self.participant
+        raw = _field(body, "raw", str).encode("utf-8")
+        return Manifest.parse(raw, path=_field(body, "path", str), kind=participant.kind, instance=participant.instance)
+
     async def _on_install(self, body: object) -> dict[str, Any]:
         with paused_gc():  # the staged share and what install makes of it: no collection until it is installed
             await self._install_staged(body)
@@ -473,9 +518,5 @@ class WorkerLink:
         participant.fence.update(_field(body, "marks", dict))
         self._take_routes(body)
         manifest = _field(body, "manifest", (dict, type(None)))
-        parsed = None
-        if manifest is not None:
-            raw = _field(manifest, "raw", str).encode("utf-8")
-            path = _field(manifest, "path", str)
-            parsed = Manifest.parse(raw, path=path, kind=participant.kind, instance=participant.instance)
+        parsed = None if manifest is None else self._manifest_of(manifest)
         await participant.install(records, scope, parsed)  # type: ignore[arg-type]

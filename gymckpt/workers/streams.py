@@ -9,8 +9,8 @@ turn the coordinator asks for the kept records (``send_records``), the worker en
 once the writer takes it (:class:`LinePipe`): the coordinator holds a chunk or two, never the
 records, and a worker holds one chunk beside its live state.
 
-Restore: the coordinator sends each worker its share as it reads the records file
-(``install_chunk``, :mod:`gymckpt.workers.scatter`). A worker decodes each line and keeps the
+Restore: each worker reads its share from the records file itself (``install_share``), or the
+coordinator sends it as it reads the file (``install_chunk``, :mod:`gymckpt.workers.scatter`). A worker decodes each line and keeps the
 records of the current stream (:class:`InstallStaging`) until ``install`` names the stream
 and the count, then installs them all at once (all or none). A stream that is not completed
 (a failed restore) is dropped by the next stream or by reopening admission.
@@ -280,13 +280,24 @@ class InstallStaging:
         if type(stream) is not int or not isinstance(pairs, list):
             raise InvalidRequest("an install chunk needs an integer stream and a records list")
         if stream != self.stream:
-            self.drop()
-            self.stream = stream
-            self._release_gc = pause_gc()
+            self.begin(stream)
         for pair in pairs:
             if not (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and isinstance(pair[1], str)):
                 raise InvalidRequest("an install chunk's records are [position, line] pairs")
             self.records[pair[0]] = decode_line(pair[1].encode("utf-8"))
+
+    def begin(self, stream: int) -> None:
+        """Receive ``stream`` from now on (what an earlier, unfinished one left is dropped); the collector pauses."""
+        self.drop()
+        self.stream = stream
+        self._release_gc = pause_gc()
+
+    def take_share(self, stream: int, records: dict[int, dict[str, Any]]) -> None:
+        """The records of ``stream`` the worker read itself (``install_share``), by position in its share;
+        refused when another stream began meanwhile."""
+        if stream != self.stream:
+            raise InvalidPhase(f"install stream {stream} was dropped while this worker read its share")
+        self.records.update(records)
 
     def finish(self, stream: object, count: object) -> list[dict[str, Any]]:
         """The records of ``stream`` in share order (positions 0 … ``count`` - 1); the staging is empty afterwards."""

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import CONTROL_PREFIX, install_control
+from gymckpt.store import open_store
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.testing.time import bounded, until
 from gymckpt.workers.coordinator import CoordinatedParticipant
@@ -86,8 +87,13 @@ class Cluster:
     path: Path
     workers: list[Worker] = field(default_factory=list)
 
-    async def add_worker(self, fake: Participant | None = None, *, routing_id: str | None = None) -> Worker:
-        """Connect one more worker (registered when this returns); its routing tables land in ``worker.routes``."""
+    async def add_worker(
+        self, fake: Participant | None = None, *, routing_id: str | None = None, reads_store: bool = False
+    ) -> Worker:
+        """Connect one more worker (registered when this returns); its routing tables land in ``worker.routes``.
+
+        ``reads_store``: the worker opens a restore's checkpoint directory itself (``install_share``).
+        """
         fake = fake if fake is not None else FakeParticipant(self.coordinator.kind, INSTANCE)
         lost: list[str] = []
         routes: list[tuple[dict[str, str], dict[str, str]]] = []
@@ -97,6 +103,7 @@ class Cluster:
             on_coordinator_lost=lambda: lost.append("lost"),
             routing_id=routing_id,
             on_routes=lambda aliases, placements: routes.append((aliases, placements)),
+            open_store=open_store if reads_store else None,
         )
         before = set(self.coordinator.workers)
         await bounded(link.connect())
@@ -126,6 +133,7 @@ async def cluster(
     fakes: list[Participant] | None = None,
     routing_ids: list[str | None] | None = None,
     kind: str = KIND,
+    reads_store: bool | list[bool] = False,
 ) -> AsyncIterator[Cluster]:
     """A coordinator of ``kind`` expecting ``expected`` workers (default: ``workers``) and ``workers`` linked workers."""
     coordinator = CoordinatedParticipant(kind, INSTANCE, expected_workers=expected or workers)
@@ -136,7 +144,8 @@ async def cluster(
     try:
         for number in range(workers):
             fake = fakes[number] if fakes is not None else None
-            await running.add_worker(fake, routing_id=routing_ids[number] if routing_ids else None)
+            reads = reads_store[number] if isinstance(reads_store, list) else reads_store
+            await running.add_worker(fake, routing_id=routing_ids[number] if routing_ids else None, reads_store=reads)
         yield running
     finally:
         for worker in running.workers:

@@ -19,12 +19,22 @@ import pytest
 import gymckpt.workers.scatter as scatter_module
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.plane_restore import ScopeRecords
+from gymckpt.errors import InvalidCheckpointState
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.workers.coordinator_fields import with_session_id
 from gymckpt.workers.placement import whole_episode_rule
-from gymckpt.workers.scatter import _prepared, _prepared_line, survey, survey_lines
+from gymckpt.workers.scatter import (
+    _prepared,
+    _prepared_line,
+    plan_scatter,
+    read_share,
+    scatter_lines,
+    share_lists,
+    survey,
+    survey_lines,
+)
 from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging
 
 from ..support import error_code
@@ -257,6 +267,108 @@ def test_a_kind_with_held_and_placed_records_is_surveyed_from_lines_as_from_deco
     for key, record in held.items():
         assert record.episode_id == key
         assert _same(decode_line(record.line), decode_line(want_held[key].line))
+
+
+def _installed_by_worker(running: Cluster) -> dict[str, tuple[dict[str, Any], str]]:
+    return {
+        record["episode_id"]: (record, routing_id)
+        for worker, routing_id in zip(running.workers, ROUTING, strict=True)
+        for record in worker.fake.installed
+    }
+
+
+async def test_workers_that_read_the_store_take_their_shares_from_the_file_and_no_chunk_moves(
+    tmp_path: Path,
+) -> None:
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources", reads_store=True) as running:
+        chunks = _count_calls(running, "_send_chunk")
+        shares = _count_calls(running, "_send_shares")
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 200, reply.text
+        assert chunks == [] and len(shares) == 1
+        installed = _installed_by_worker(running)
+        assert sorted(installed) == sorted(f"{key}-a1" for key in keys)
+        assert all(worker.fake.installed for worker in running.workers), "every worker installs a share"
+        for record in records:
+            restored, routing_id = installed[f"{record['episode_id']}-a1"]
+            assert list(restored) == ["episode_id", "state", "owner"]
+            assert restored["owner"] == routing_id
+            assert _same(restored["state"], record["state"])
+        assert running.coordinator.held == {}
+
+
+async def test_shares_go_in_chunks_unless_every_worker_reads_the_store(tmp_path: Path) -> None:
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources", reads_store=[True, False]) as running:
+        chunks = _count_calls(running, "_send_chunk")
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 200, reply.text
+        assert chunks.count(running.workers[0].index) > 1 and chunks.count(running.workers[1].index) > 1
+        assert sorted(_installed_by_worker(running)) == sorted(f"{key}-a1" for key in keys)
+
+
+async def test_a_file_damaged_before_a_worker_reads_its_share_fails_the_restore_typed_with_nothing_installed(
+    tmp_path: Path,
+) -> None:
+    """Each worker verifies the whole file as it reads its share: damage after the coordinator's read is caught."""
+    records = _session_records(2 * PER_WORKER)
+    _write_sessions(tmp_path / "ck", records)
+    manifest, data = _records_file(tmp_path / "ck", kind="resources")
+    async with cluster(tmp_path, 2, routing_ids=ROUTING, kind="resources", reads_store=True) as running:
+        original = running.coordinator._send_shares
+
+        async def damage_first(*args: Any) -> None:
+            (tmp_path / "ck" / manifest.records_path).write_bytes(data[:-5] + b"X" + data[-4:])
+            await original(*args)
+
+        running.coordinator._send_shares = damage_first  # type: ignore[method-assign]
+        keys = [record["episode_id"] for record in records]
+        reply = await running.workers[0].call(
+            "restore", request("r-1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=keys)
+        )
+        assert reply.status_code == 422, reply.text
+        assert error_code(reply) == "invalid_checkpoint_state"
+        detail = reply.json()["error"]["detail"]
+        assert "did not complete install_share" in detail and "hashes to" in detail
+        assert all(worker.fake.installed == [] for worker in running.workers)
+        assert all(worker.link._staging.records == {} for worker in running.workers)
+
+
+def test_a_share_read_from_the_file_is_what_the_chunks_would_carry() -> None:
+    """:func:`read_share` gives each record as the worker decodes the line :func:`scatter_lines` sends."""
+    records = [
+        {"episode_id": "k1", "state": _state(1)},
+        {"episode_id": "k2", "state": 2, "owner": ROUTING[0]},
+        {"episode_id": "k3", "state": 3, "session_id": "sess"},
+        {"episode_id": "k4", "state": {"owner": "x"}, "owner": None},
+    ]
+    next_keys = {record["episode_id"]: f"{record['episode_id']}-a1" for record in records}
+    stored = [(record["episode_id"], encode_record(record)[1][:-1]) for record in records]
+    _, placed = survey_lines([(next_keys[stored_id], line) for stored_id, line in stored])
+    plan = plan_scatter(placed, {1: ROUTING[0], 2: ROUTING[1]}, {})
+    sent: dict[int, list[list[Any]]] = {}
+    rekeyed = [(next_keys[stored_id], rekeyed_line(line, next_keys[stored_id])) for stored_id, line in stored]
+    scatter_lines(rekeyed, plan, lambda index, chunk: sent.setdefault(index, []).extend(chunk))
+    shares = share_lists(plan, next_keys)
+    assert sorted(shares) == sorted(plan.counts)
+    for index, share in shares.items():
+        got = read_share(stored, share)
+        want = {position: decode_line(line.encode("utf-8")) for position, line in sent[index]}
+        assert sorted(got) == sorted(want) == list(range(plan.counts[index]))
+        for position, record in got.items():
+            assert list(record) == list(want[position])
+            assert _same(record, want[position])
+    with pytest.raises(InvalidCheckpointState, match="gave 0 of the"):
+        read_share(stored[:0], shares[1])
 
 
 async def test_a_damaged_records_file_fails_a_lines_restore_typed_with_nothing_installed(tmp_path: Path) -> None:
