@@ -434,11 +434,13 @@ class WorkerLink:
         if scope is not None:
             scope = _keys(body, "episode_ids")
         stream = _field(body, "stream", int)
+        started = time.perf_counter()
         with paused_gc():
             records = list(await participant.export(scope))
         self._exported, self._export_stream = records, stream
         owner, kind = self.routing_id, participant.kind
         named = [[record.get("episode_id"), owner_of(kind, record, owner)] for record in records]
+        logger.info("%s worker exported %d records in %.3f s", kind, len(records), time.perf_counter() - started)
         return {"records": named, "reply_extra": participant.commit_reply_extra()}
 
     async def _on_send_records(self, body: object) -> dict[str, Any]:
@@ -449,14 +451,17 @@ class WorkerLink:
         if export != self._export_stream:
             raise InvalidPhase(f"this worker's last export is {self._export_stream}, not {export}: prepare again")
         records, kind = self._exported, self.participant.kind
-        start = sent = 0
+        start = sent = chunks = 0
+        started, encoding = time.perf_counter(), 0.0
         while start < len(records):
             channel = self.channel
             if channel is None:
                 raise CoordinatorUnavailable(f"this {kind} worker lost its checkpoint coordinator")
+            encode_started = time.perf_counter()
             lines, start = await asyncio.to_thread(
                 encode_export_chunk, records, start, kind, self.routing_id, CHUNK_BYTES, skip
             )
+            encoding += time.perf_counter() - encode_started
             if not lines:
                 continue
             sent += len(lines)
@@ -464,6 +469,15 @@ class WorkerLink:
             del lines
             await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
             del chunk
+            chunks += 1
+        logger.info(
+            "%s worker sent %d records in %d chunks in %.3f s (encoding %.3f s)",
+            kind,
+            sent,
+            chunks,
+            time.perf_counter() - started,
+            encoding,
+        )
         return {"count": sent}
 
     async def _on_park(self, body: object) -> dict[str, Any]:
