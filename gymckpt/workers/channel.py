@@ -126,8 +126,13 @@ class Channel:
             self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"channel {self.name}")
         return self
 
-    async def request(self, kind: str, body: Any = None, timeout: float | None = None) -> Any:
+    async def request(
+        self, kind: str, body: Any = None, timeout: float | None = None, blob: bytes | None = None
+    ) -> Any:
         """Send a request and return the reply's body; ``timeout`` (seconds, None: none) covers the send too.
+
+        ``blob``: bytes sent as they are beside ``body`` (an object); the handler finds them as its
+        ``"blob"`` member (:mod:`gymckpt.workers.frames`).
 
         Raises the reply's error, :class:`CoordinatorUnavailable` on a timeout or a lost
         connection, and :class:`~gymckpt.workers.frames.FrameError` for a body that cannot be framed.
@@ -135,7 +140,7 @@ class Channel:
         if self._closed.is_set():
             raise self._unavailable(f"cannot send {kind}: {self.close_reason}")
         request_id = next(self._ids)
-        frame = encode_frame({"id": request_id, "kind": kind, "body": {} if body is None else body})
+        frame = encode_frame({"id": request_id, "kind": kind, "body": {} if body is None else body}, blob)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         scope = asyncio.timeout(timeout)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase
 from gymckpt.workers.coordinator_fields import manifest_body, merged_reply_extra
+from gymckpt.workers.frames import BLOB_KEY
 from gymckpt.workers.gather import WorkerExport, gather_exports
 from gymckpt.workers.messages import Message
 from gymckpt.workers.scatter import (
@@ -80,7 +81,8 @@ class RecordsAcrossWorkers:
         stream = body.get("stream") if isinstance(body, dict) else None
         if entry is None or entry[0] != stream:
             raise InvalidPhase(f"{self._who(index)} sent records of stream {stream!r}, which no write reads")
-        await entry[1].put(exported_records(body.get("records"), self._who(index)))  # type: ignore[union-attr]
+        fields: dict[str, Any] = body  # type: ignore[assignment]
+        await entry[1].put(exported_records(fields.get("records"), fields.get(BLOB_KEY), self._who(index)))
         return {}
 
     async def export(self, scope: list[str] | None) -> GatheredLines:

@@ -24,6 +24,13 @@ decoding takes 80-100 ms either way, and the fast body keeps UTF-8 (19.3 MB, whe
 escapes make 21.0 MB). Only gymckpt writes and reads these frames (an unmarked body is read
 by orjson).
 
+A request may carry bytes beside its JSON (:func:`encode_frame`'s ``blob``: records lines,
+which as JSON strings would be escaped by the sender and unescaped by the reader). Its body
+is :data:`BLOB_MARK`, the JSON part's length (4 bytes, big-endian), the JSON part, then the
+bytes; the reader hands them over as the ``"blob"`` member of the message's ``body`` object.
+Moving a model's 44 MB of lines that way instead of as strings saved about 0.1 s of the
+coordinator's CPU per commit.
+
 A body over :data:`MAX_FRAME_BYTES` (1 GiB) is refused by the sender (:class:`FrameTooLarge`)
 and by the reader, from the length prefix alone, before it reads or allocates the body; the
 limit only catches a corrupt prefix. A reader that raised :class:`FrameError` has lost its
@@ -44,6 +51,8 @@ import orjson
 from gymckpt.errors import GymckptError
 
 __all__ = [
+    "BLOB_KEY",
+    "BLOB_MARK",
     "HEADER",
     "MAX_DEPTH",
     "MAX_FRAME_BYTES",
@@ -51,6 +60,7 @@ __all__ = [
     "FrameError",
     "FrameTooLarge",
     "decode_body",
+    "decode_message",
     "encode_body",
     "encode_frame",
     "read_frame",
@@ -65,6 +75,10 @@ HEADER = struct.Struct(">I")
 MAX_DEPTH = 512
 #: the first byte of a body the exact (standard library) encoder wrote
 EXACT_MARK = b" "
+#: the first byte of a body that carries bytes beside its JSON (never the first byte of JSON)
+BLOB_MARK = b"\x01"
+#: the key of a request's ``body`` that holds the bytes a blob frame carried
+BLOB_KEY = "blob"
 #: the deepest nesting orjson writes (it refuses deeper values itself)
 _ORJSON_DEPTH = 254
 _ORJSON_OPTIONS = orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_SUBCLASS
@@ -173,12 +187,44 @@ def decode_body(data: bytes) -> Any:
         raise FrameError(f"frame body is not JSON: {exc}") from exc
 
 
-def encode_frame(value: object) -> bytes:
-    """The whole frame of ``value``: length prefix and body; :class:`FrameTooLarge` over the limit."""
-    body = encode_body(value)
-    if len(body) > MAX_FRAME_BYTES:
-        raise FrameTooLarge(f"frame body of {len(body)} bytes is over the limit of {MAX_FRAME_BYTES}")
-    return HEADER.pack(len(body)) + body
+def encode_frame(value: object, blob: bytes | None = None) -> bytes:
+    """The whole frame of ``value``: length prefix and body; :class:`FrameTooLarge` over the limit.
+
+    ``blob``: bytes sent as they are beside ``value``, a message whose ``body`` is an object
+    without a ``"blob"`` member (the reader puts them there).
+    """
+    if blob is None:
+        body = encode_body(value)
+        size = len(body)
+        parts: tuple[bytes, ...] = (body,)
+    else:
+        inner = value.get("body") if isinstance(value, dict) else None
+        if not isinstance(inner, dict) or BLOB_KEY in inner:
+            raise FrameError(f"bytes travel beside a message whose body is an object without {BLOB_KEY!r}")
+        body = encode_body(value)
+        size = len(BLOB_MARK) + HEADER.size + len(body) + len(blob)
+        parts = (BLOB_MARK, HEADER.pack(len(body)), body, blob)
+    if size > MAX_FRAME_BYTES:
+        raise FrameTooLarge(f"frame body of {size} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return b"".join((HEADER.pack(size), *parts))
+
+
+def decode_message(data: bytes) -> Any:
+    """The value of a frame body, a blob frame's bytes put into its message's ``body`` (see the module docstring)."""
+    if data[:1] != BLOB_MARK:
+        return decode_body(data)
+    start = len(BLOB_MARK) + HEADER.size
+    if len(data) < start:
+        raise FrameError("blob frame shorter than its JSON part's length")
+    (length,) = HEADER.unpack(data[len(BLOB_MARK) : start])
+    if start + length > len(data):
+        raise FrameError(f"blob frame's JSON part of {length} bytes runs past the frame")
+    value = decode_body(data[start : start + length])
+    inner = value.get("body") if isinstance(value, dict) else None
+    if not isinstance(inner, dict) or BLOB_KEY in inner:
+        raise FrameError(f"blob frame whose message body is not an object without {BLOB_KEY!r}")
+    inner[BLOB_KEY] = data[start + length :]
+    return value
 
 
 def _where(partial: bool) -> str:
@@ -209,7 +255,7 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
         raise FrameTooLarge(f"length prefix of {length} bytes is over the limit of {MAX_FRAME_BYTES}")
     if length == 0:
         raise FrameError("empty frame body")
-    return decode_body(await _read_exactly(reader, length, "body", started=True))
+    return decode_message(await _read_exactly(reader, length, "body", started=True))
 
 
 async def write_frame(writer: asyncio.StreamWriter, value: object) -> None:

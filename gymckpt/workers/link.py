@@ -458,17 +458,16 @@ class WorkerLink:
             if channel is None:
                 raise CoordinatorUnavailable(f"this {kind} worker lost its checkpoint coordinator")
             encode_started = time.perf_counter()
-            lines, start = await asyncio.to_thread(
+            pairs, lines, start = await asyncio.to_thread(
                 encode_export_chunk, records, start, kind, self.routing_id, CHUNK_BYTES, skip
             )
             encoding += time.perf_counter() - encode_started
-            if not lines:
+            if not pairs:
                 continue
-            sent += len(lines)
-            chunk = {"stream": stream, "records": lines}
-            del lines
-            await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS)
-            del chunk
+            sent += len(pairs)
+            chunk = {"stream": stream, "records": pairs}
+            await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS, blob=lines)
+            del chunk, lines
             chunks += 1
         logger.info(
             "%s worker sent %d records in %d chunks in %.3f s (encoding %.3f s)",

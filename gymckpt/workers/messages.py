@@ -20,11 +20,12 @@ Worker → coordinator:
 - ``control {operation, body, trace}`` (a control route's request, :data:`CONTROL_OPERATIONS`) →
   ``{reply, steps}``: the control reply as JSON (or its error) and the seconds of the plane's
   steps by name, which the worker's route logs as a single-process server logs its own.
-- ``export_chunk {stream, records: [[episode_id, line, owner], …]}`` → ``{}``: the next chunk of
-  the lines ``send_records`` asked for (about :data:`~gymckpt.workers.streams.CHUNK_BYTES`),
+- ``export_chunk {stream, records: [[episode_id, owner], …]}`` and the lines as bytes (a blob
+  frame, one line per record, each ending with its newline) → ``{}``: the next chunk of the
+  lines ``send_records`` asked for (about :data:`~gymckpt.workers.streams.CHUNK_BYTES`),
   answered once the store's writer took it; the next is sent after the answer. Each record is
-  encoded once (:func:`gymckpt.store.codec.encoded`), its line as text, ``owner`` as in the
-  export reply. Refused once that write no longer reads.
+  encoded once (:func:`gymckpt.store.codec.encoded`), ``owner`` as in the export reply.
+  Refused once that write no longer reads.
 
 Coordinator → worker (each replies ``{}`` unless noted):
 

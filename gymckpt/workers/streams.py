@@ -5,7 +5,7 @@ so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line mo
 store's writer then iterates :class:`GatheredLines` on its own thread: for each worker in
 turn the coordinator asks for the kept records (``send_records``), the worker encodes them
 (each once, :func:`gymckpt.store.codec.encoded`) into chunks of about :data:`CHUNK_BYTES`
-(:func:`encode_export_chunk`) and sends each as ``export_chunk``, and each chunk is answered
+(:func:`encode_export_chunk`) and sends each as ``export_chunk``, its lines as bytes beside the JSON, and each chunk is answered
 once the writer takes it (:class:`LinePipe`): the coordinator holds a chunk or two, never the
 records, and a worker holds one chunk beside its live state.
 
@@ -36,6 +36,7 @@ __all__ = [
     "CHUNK_BYTES",
     "GatheredLines",
     "LinePipe",
+    "PIPE_WINDOW",
     "LineRef",
     "InstallStaging",
     "encode_export_chunk",
@@ -62,14 +63,16 @@ def encode_export_chunk(
     owner: str | None,
     limit: int = CHUNK_BYTES,
     skip: Set[int] = frozenset(),
-) -> tuple[list[Line], int]:
+) -> tuple[list[Line], bytes, int]:
     """Records from ``start`` on (but those at a position in ``skip``), each encoded once, until
-    about ``limit`` bytes: the chunk's ``[episode_id, line, owner]`` triples and the next start.
+    about ``limit`` bytes: the chunk's ``[episode_id, owner]`` pairs, its lines (each ending with
+    its newline) joined, and the next start.
 
-    The line travels as text (UTF-8 JSON); ``owner`` is set on session records, which carry
-    it in the line too.
+    The lines travel as bytes beside the pairs (a blob frame, :mod:`gymckpt.workers.frames`);
+    ``owner`` is set on session records, which carry it in the line too.
     """
-    lines: list[Line] = []
+    pairs: list[Line] = []
+    lines: list[bytes] = []
     size = 0
     index = start
     while index < len(records) and size < limit:
@@ -81,27 +84,32 @@ def encode_export_chunk(
         stamped = record if session_owner is None else {**record, "owner": session_owner}
         episode_id, line = encoded(stamped)
         size += len(line)
-        lines.append([episode_id, line.decode("utf-8"), session_owner])
+        pairs.append([episode_id, session_owner])
+        lines.append(line)
         index += 1
-    return lines, index
+    return pairs, b"".join(lines), index
 
 
-def exported_records(lines: object, who: str) -> list[ExportedRecord]:
-    """A chunk's ``[episode_id, line, owner]`` triples as pre-encoded records (refused: not such triples)."""
-    if not isinstance(lines, list):
-        raise InvalidCheckpointState(f"{who} sent an export chunk without a records list")
+def exported_records(pairs: object, blob: object, who: str) -> list[ExportedRecord]:
+    """A chunk's ``[episode_id, owner]`` pairs and their lines as pre-encoded records (refused: not such
+    pairs, or not one line per pair)."""
+    if not isinstance(pairs, list) or not isinstance(blob, bytes):
+        raise InvalidCheckpointState(f"{who} sent an export chunk without its records and their lines")
+    lines = blob.splitlines(keepends=True)
+    if len(lines) != len(pairs):
+        raise InvalidCheckpointState(f"{who} sent {len(lines)} lines for the {len(pairs)} records of an export chunk")
     records = []
-    for item in lines:
+    for item, line in zip(pairs, lines, strict=True):
         if not (
             isinstance(item, list)
-            and len(item) in (2, 3)
+            and len(item) == 2
             and isinstance(item[0], str)
-            and isinstance(item[1], str)
-            and (len(item) == 2 or item[2] is None or is_routing_id(item[2]))
+            and (item[1] is None or is_routing_id(item[1]))
         ):
-            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, line, owner] triple")
-        owner = item[2] if len(item) == 3 else None
-        records.append(ExportedRecord(EncodedRecord(item[0], item[1].encode("utf-8")), owner=owner))
+            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, owner] pair")
+        if not line.endswith(b"\n"):
+            raise InvalidCheckpointState(f"{who} sent the line of {item[0]!r} without its newline")
+        records.append(ExportedRecord(EncodedRecord(item[0], line), owner=item[1]))
     return records
 
 
@@ -134,9 +142,17 @@ def exported_refs(reply: object, index: int, who: str) -> list[ExportedRecord]:
 _END = object()
 
 
+#: chunks a pipe answers as they arrive while no more than this many wait for the writer
+PIPE_WINDOW = 2
+
+
 class LinePipe:
-    """One worker's chunks, from the event loop to the writing thread; a chunk is answered once the
-    writer takes it, so at most one waits while the writer works on the one before."""
+    """One worker's chunks, from the event loop to the writing thread.
+
+    A chunk is answered as it arrives while at most :data:`PIPE_WINDOW` chunks wait for the
+    writer (the worker encodes its next chunk meanwhile), else once the writer takes it: the
+    coordinator holds at most ``PIPE_WINDOW + 1`` chunks of a worker besides the one being written.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -153,6 +169,8 @@ class LinePipe:
         self._items.put((records, taken))
         if self._closed:  # closed meanwhile, perhaps before this chunk was queued: nobody takes it
             _refuse(taken)
+        elif self._items.qsize() <= PIPE_WINDOW:
+            _answer(taken)
         await taken
 
     def finish(self, failure: BaseException | None) -> None:

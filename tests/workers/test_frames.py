@@ -14,6 +14,8 @@ import pytest
 from gymckpt.testing.time import bounded, drain
 from gymckpt.workers import frames
 from gymckpt.workers.frames import (
+    BLOB_KEY,
+    BLOB_MARK,
     MAX_DEPTH,
     MAX_FRAME_BYTES,
     ChannelClosed,
@@ -228,3 +230,52 @@ def _cycle() -> list[object]:
 def test_a_value_json_would_not_give_back_as_it_is_is_refused_by_the_sender(value: object) -> None:
     with pytest.raises(FrameError):
         encode_frame(value)
+
+
+async def test_bytes_beside_a_message_arrive_as_they_went_in_its_body() -> None:
+    lines = b"".join(line.encode() + b"\n" for line in _record_lines(50))
+    message = {"id": 7, "kind": "export_chunk", "body": {"stream": 3, "records": [["r0-a0", None]], "n": 2**70}}
+    frame = encode_frame(message, lines)
+    assert frame[4:5] == BLOB_MARK
+    assert lines in frame  # as they are: no escaping
+    got = await bounded(read_frame(_reader_with(frame + encode_frame({"id": 8}))))
+    assert got == {**message, "body": {**message["body"], BLOB_KEY: lines}}
+    assert type(got["body"][BLOB_KEY]) is bytes
+    assert message["body"].keys() == {"stream", "records", "n"}  # the sender's body is left as it was
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"id": 1, "body": [1]}, {"id": 1}, {"id": 1, "body": {"blob": "x"}}, ["not", "a", "message"]],
+    ids=["body not an object", "no body", "body holds blob already", "not an object"],
+)
+def test_bytes_go_only_beside_a_body_object_without_a_blob_member(message: object) -> None:
+    with pytest.raises(FrameError, match="body is an object"):
+        encode_frame(message, b"x\n")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        BLOB_MARK + b"\x00\x00",
+        BLOB_MARK + struct.pack(">I", 100) + b'{"body":{}}',
+        BLOB_MARK + struct.pack(">I", 8) + b'{"id":1}' + b"x",
+        BLOB_MARK + struct.pack(">I", 22) + b'{"body":{"blob":true}}',
+    ],
+    ids=["short length", "length past the frame", "no body object", "body holds blob already"],
+)
+async def test_a_damaged_blob_frame_is_a_frame_error(body: bytes) -> None:
+    with pytest.raises(FrameError):
+        await bounded(read_frame(_reader_with(struct.pack(">I", len(body)) + body)))
+
+
+async def test_a_blob_frame_over_the_limit_is_refused_by_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frames, "MAX_FRAME_BYTES", 64)
+    message = {"id": 1, "body": {}}
+    inner = len(encode_body(message))
+    fits = b"x" * (64 - 1 - 4 - inner)
+    frame = encode_frame(message, fits)
+    assert len(frame) == 4 + 64
+    assert (await bounded(read_frame(_reader_with(frame))))["body"][BLOB_KEY] == fits
+    with pytest.raises(FrameTooLarge):
+        encode_frame(message, fits + b"x")

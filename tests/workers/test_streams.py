@@ -35,7 +35,7 @@ from gymckpt.workers.scatter import (
     survey,
     survey_lines,
 )
-from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging
+from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, exported_records
 
 from ..support import error_code
 from .cluster import INSTANCE, KIND, call, client_of, cluster, control_app, request
@@ -487,3 +487,19 @@ def test_undecoded_lines_are_placed_and_stamped_as_their_decoded_records_are(
     want = decode_line(encode_record(_prepared(restored, stamp))[1])
     assert list(got) == list(want)
     assert repr(got) == repr(want)
+
+
+def test_an_export_chunks_lines_travel_as_bytes_one_per_named_record() -> None:
+    records = [{"episode_id": f"k{number}", "state": _state(number)} for number in range(3)]
+    pairs, lines, after = encode_export_chunk(records, 0, "resources", ROUTING[0], limit=CHUNK_BYTES * 4)
+    assert after == 3 and [pair[0] for pair in pairs] == ["k0", "k1", "k2"]
+    exported = exported_records(pairs, lines, "worker 1")
+    for record, got in zip(records, exported, strict=True):
+        assert got.owner == ROUTING[0]
+        assert _same(decode_line(got.record.line), {**record, "owner": ROUTING[0]})
+    with pytest.raises(InvalidCheckpointState, match="2 lines for the 3 records"):
+        exported_records(pairs, lines.split(b"\n", 1)[1], "worker 1")
+    with pytest.raises(InvalidCheckpointState, match="without its newline"):
+        exported_records(pairs, lines[:-1], "worker 1")
+    with pytest.raises(InvalidCheckpointState, match="without its records and their lines"):
+        exported_records(pairs, lines.decode(), "worker 1")
