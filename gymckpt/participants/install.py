@@ -25,6 +25,7 @@ from gymckpt.control.plane import ControlPlane
 from gymckpt.control.routes import install_control
 from gymckpt.control.settings import CheckpointSettings, GymckptSettings, checkpointing_summary
 from gymckpt.participants.rollout import RolloutPrefixMiddleware
+from gymckpt.store.warm import warm_storage
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator
@@ -186,6 +187,8 @@ def create_control_plane(participant: Participant, block: CheckpointSettings) ->
             "this server write (commit) or read (restore) any path the process can write; set "
             "checkpoint.allowed_roots to the directories (or URL prefixes) checkpoints may use"
         )
+    if not _building_only["on"]:
+        warm_storage(block.allowed_roots, block.storage_options)
     plane = ControlPlane(
         participant,
         lease_grace_seconds=block.lease_grace_seconds,

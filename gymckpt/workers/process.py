@@ -32,6 +32,7 @@ from gymckpt.control.allowed_roots import open_allowed_store
 from gymckpt.control.routes import install_control
 from gymckpt.participants.install import create_control_plane
 from gymckpt.participants.rollout import RolloutPrefixMiddleware
+from gymckpt.store.warm import warm_storage
 from gymckpt.workers.coordinator import CoordinatedParticipant
 from gymckpt.workers.link import WorkerLink
 from gymckpt.workers.remote_plane import RemotePlane
@@ -187,6 +188,7 @@ def install_worker(
                 "--workers N`), which runs the coordinator in the main process"
             )
         settings = block
+        warm_storage(block.allowed_roots, block.storage_options)  # a restore's share is read here
 
         def open_checkpoint(checkpoint_dir: str) -> CheckpointStore:
             return open_allowed_store(checkpoint_dir, settings.allowed_roots, **settings.storage_options)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
+import aiobotocore.session
 import fsspec
 import pytest
 
+import gymckpt.store._s3 as s3_module
 from gymckpt import errors
 from gymckpt.store import CheckpointStore, WriteStop, open_store, verify
 from gymckpt.store._fsspec import FsspecBackend
-from gymckpt.store._s3 import DEFAULT_BLOCK_SIZE
+from gymckpt.store._s3 import DEFAULT_BLOCK_SIZE, shared_session
+from gymckpt.store.warm import warm_storage
 from gymckpt.testing.backend_suite import BackendTests
 from gymckpt.testing.values import sample_records
 
@@ -198,6 +203,55 @@ def test_the_backend_owns_its_filesystem(s3: Any, moto_endpoint: MotoEndpoint, s
     assert first.read_bytes("x.json") == b"1"  # and a closed backend reconnects if used again
     first.close()
     second.close()
+
+
+def test_backends_share_one_session_per_process_unless_their_options_set_one(
+    s3: Any, moto_endpoint: MotoEndpoint, s3_url: str
+) -> None:
+    """Two backends' filesystems and clients are their own; the botocore session (its parsed service model) is shared."""
+    first = FsspecBackend(s3_url, endpoint_url=moto_endpoint.url, retries=2)
+    second = FsspecBackend(s3_url, endpoint_url=moto_endpoint.url)
+    assert first.fs is not second.fs
+    assert first.fs.session is second.fs.session is shared_session()
+    first.create_if_absent("x.json", b"1")
+    first.close()
+    assert second.read_bytes("x.json") == b"1"  # closing one backend's client leaves the other's
+    second.close()
+    own = aiobotocore.session.AioSession()
+    third = FsspecBackend(s3_url, endpoint_url=moto_endpoint.url, session=own)  # the caller's session wins
+    assert third.fs.session is own
+    assert third.read_bytes("x.json") == b"1"
+    third.close()
+
+
+@pytest.mark.parametrize(
+    ("roots", "options", "warmed"),
+    [
+        (["s3://bucket/run"], {}, ["s3"]),
+        (["/data/ckpt", "s3a://bucket"], {}, ["s3"]),
+        (None, {"endpoint_url": "http://127.0.0.1:9"}, ["s3"]),
+        (["/data/ckpt"], {}, []),
+        (["/data/ckpt"], {"endpoint_url": "http://127.0.0.1:9"}, []),
+        (None, {}, []),
+        (["gs://bucket"], {"key": "k"}, []),
+    ],
+)
+def test_a_server_warms_the_s3_backend_when_its_settings_point_at_s3(
+    roots: list[str] | None, options: dict[str, Any], warmed: list[str]
+) -> None:
+    assert warm_storage(roots, options) == warmed
+    if warmed:
+        assert "s3fs" in sys.modules and "aiobotocore.client" in sys.modules
+
+
+def test_warming_never_fails_a_server(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> None:
+        raise ImportError("no s3fs here")
+
+    monkeypatch.setattr(s3_module, "warm_s3", broken)
+    with caplog.at_level(logging.DEBUG, logger="gymckpt.store.warm"):
+        assert warm_storage(["s3://bucket"], {}) == []
+    assert "no s3fs here" in caplog.text
 
 
 def test_default_block_size_and_string_options(s3: Any, s3_url: str, moto_endpoint: MotoEndpoint) -> None:
