@@ -225,6 +225,7 @@ class WorkerLink:
             sender.cancel()
         if channel is not None:
             await channel.close()
+        self._staging.drop()  # no install can come now: let the collector run again
         watcher = self._watcher
         if watcher is not None and watcher is not asyncio.current_task():
             await asyncio.gather(watcher, return_exceptions=True)
@@ -240,6 +241,7 @@ class WorkerLink:
         )
         self._channel = None
         self._stop_polling()
+        self._staging.drop()  # a stream of a lost coordinator never completes
         self.on_coordinator_lost()
 
     def _serve(self, channel: Channel) -> None:

@@ -7,6 +7,7 @@ records are large enough that every worker's part spans several chunks of the re
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import re
@@ -17,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import gymckpt.workers.scatter as scatter_module
+from gymckpt import gc_pause
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.plane_restore import ScopeRecords
 from gymckpt.errors import InvalidCheckpointState
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
 from gymckpt.testing.participant import FakeParticipant
+from gymckpt.testing.time import until
 from gymckpt.workers.coordinator_fields import with_session_id
 from gymckpt.workers.placement import whole_episode_rule
 from gymckpt.workers.scatter import (
@@ -412,6 +415,9 @@ async def test_a_worker_lost_in_the_middle_of_its_share_fails_the_restore_named_
         assert one.fake.installed == []
         assert two.fake.installed == []
         assert one.link._staging.records == {}  # the failed restore reopened admission: its chunks are dropped
+        # the worker that lost its coordinator mid-stream dropped its stream too: the collector runs again
+        await until(lambda: two.link._staging.stream is None, message="the lost worker kept its install stream")
+        assert gc_pause._GC_PAUSE.pauses == 0 and gc.isenabled()
 
 
 def test_an_install_stream_gives_its_records_in_share_order_and_refuses_a_short_one() -> None:
