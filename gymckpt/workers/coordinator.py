@@ -75,8 +75,7 @@ from gymckpt.workers.coordinator_fields import (
 )
 from gymckpt.workers.coordinator_records import RecordsAcrossWorkers
 from gymckpt.workers.messages import Message, deadline_timeout
-from gymckpt.workers.placement import is_whole_episode
-from gymckpt.workers.scatter import line_holds
+from gymckpt.workers.placement import is_whole_episode, whole_episode_rule
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -138,7 +137,7 @@ class CoordinatedParticipant(RecordsAcrossWorkers, Participant):
         self._open_reports: dict[int, PrepareReport] = {}
         self._holds = holds if holds is not None else (lambda record: is_whole_episode(kind, record))
         #: the same rule for a restore that reads undecoded lines (decoding only where it must)
-        self._line_holds = line_holds(kind, holds)
+        self._line_holds = holds if holds is not None else whole_episode_rule(kind)
         #: restored whole-episode records no worker has claimed yet, by key (encoded once; decoded for a claim)
         self.held: dict[str, EncodedRecord] = {}
         self._streams = itertools.count(1)

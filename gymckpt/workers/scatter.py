@@ -48,7 +48,7 @@ import orjson
 from gymckpt.errors import InvalidCheckpointState
 from gymckpt.store.codec import EncodedRecord, decode_line, encoded, rekeyed_line
 from gymckpt.workers.coordinator_fields import owner_aliases, with_session_id, without_session_id
-from gymckpt.workers.placement import place_records, whole_episode_rule
+from gymckpt.workers.placement import place_records
 from gymckpt.workers.streams import CHUNK_BYTES
 
 if TYPE_CHECKING:
@@ -59,7 +59,6 @@ __all__ = [
     "ChunkSender",
     "ScatterPlan",
     "Holds",
-    "line_holds",
     "placed_fields",
     "plan_scatter",
     "read_share",
@@ -273,12 +272,6 @@ def placed_fields(episode_id: str, line: bytes) -> dict[str, Any] | None:
 #: what a coordinator holds of a kind's records: ``True`` every one (nothing to decode), ``False`` none
 #: (placement's fields read from the bytes), or a predicate of the decoded record
 Holds = bool | Callable[[dict[str, Any]], bool]
-
-
-def line_holds(kind: str, holds: Callable[[dict[str, Any]], bool] | None) -> Holds:
-    """What :func:`survey_lines` needs to know of a kind's records: ``holds``, or the kind's own rule as
-    ``True`` (every record whole-episode), ``False`` (none) or its predicate."""
-    return holds if holds is not None else whole_episode_rule(kind)
 
 
 def survey_lines(

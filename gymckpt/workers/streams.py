@@ -5,14 +5,15 @@ so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line mo
 store's writer then iterates :class:`GatheredLines` on its own thread: for each worker in
 turn the coordinator asks for the kept records (``send_records``), the worker encodes them
 (each once, :func:`gymckpt.store.codec.encoded`) into chunks of about :data:`CHUNK_BYTES`
-(:func:`encode_export_chunk`) and sends each as ``export_chunk``, its lines as bytes beside the JSON, and each chunk is answered
-once the writer takes it (:class:`LinePipe`): the coordinator holds a chunk or two, never the
-records, and a worker holds one chunk beside its live state.
+(:func:`encode_export_chunk`) and sends each as ``export_chunk``, its lines as bytes beside
+the JSON; a chunk is answered as it arrives while few wait for the writer, else once the writer
+takes it (:class:`LinePipe`): the coordinator holds a few chunks, never the records, and a
+worker holds one chunk beside its live state.
 
 Restore: each worker reads its share from the records file itself (``install_share``), or the
-coordinator sends it as it reads the file (``install_chunk``, :mod:`gymckpt.workers.scatter`). A worker decodes each line and keeps the
-records of the current stream (:class:`InstallStaging`) until ``install`` names the stream
-and the count, then installs them all at once (all or none). A stream that is not completed
+coordinator sends it as it reads the file (``install_chunk``, :mod:`gymckpt.workers.scatter`).
+A worker decodes each line and keeps the records of the current stream (:class:`InstallStaging`)
+until ``install`` names the stream and the count, then installs them all at once (all or none). A stream that is not completed
 (a failed restore) is dropped by the next stream or by reopening admission.
 """
 
