@@ -74,6 +74,8 @@ class ScaleRun:
     exported_past_first_turn: int = 0
     continued: int = 0
     restarted: int = 0
+    #: rollouts not started before the checkpoint (the turn trigger reached during the launch)
+    started_after_restore: int = 0
     finished_before: int = 0
     lost: int = 0
     differing: int = 0
@@ -166,11 +168,14 @@ def _figures(outcome: DemoOutcome, scenario: str, workers: int, store: str) -> S
         ok=outcome.exit_code == 0,
         error=outcome.error,
         terminated=outcome.exit_code == EXIT_TERMINATED,
-        in_flight_at_checkpoint=outcome.rollouts - len(outcome.finished_before) if outcome.exported else 0,
+        in_flight_at_checkpoint=outcome.rollouts - len(outcome.finished_before) - len(outcome.started_after_restore)
+        if outcome.exported
+        else 0,
         exported=len(outcome.exported),
         exported_past_first_turn=outcome.exported_past_first_turn,
         continued=len(outcome.continued),
         restarted=len(outcome.restarted),
+        started_after_restore=len(outcome.started_after_restore),
         finished_before=len(outcome.finished_before),
         lost=len(outcome.lost),
         differing=len(outcome.differing),

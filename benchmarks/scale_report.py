@@ -81,6 +81,7 @@ def render_demo_runs(runs: list[ScaleRun], console: Console) -> None:
         ("exported past their first turn", lambda r: f"{r.exported_past_first_turn:,}"),
         ("continued after the restore", lambda r: f"{r.continued:,}"),
         ("started over", lambda r: f"{r.restarted:,}"),
+        ("started after the restore", lambda r: f"{r.started_after_restore:,}"),
         ("lost / differing", lambda r: f"{r.lost} / {r.differing}"),
         (f"prepare s (≤ {TARGETS['prepare']})", lambda r: _mark(r.prepare_seconds, _target(r, "prepare"))),
         ("prepare by stage s", lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r.prepare_stages.items()) or "–"),

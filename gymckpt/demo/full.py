@@ -207,6 +207,8 @@ class _Demo:
         self.kept_pids: dict[str, int] = {}
         #: the uninterrupted run's median rollout duration: the launch window of the interrupted run
         self.median_rollout = 1.0
+        #: tasks not started before the checkpoint (a turn trigger reached during the launch)
+        self.unlaunched: list[str] = []
         #: every task the demo started: cancelled at cleanup, so none outlives it (an interrupt included)
         self._spawned: set[asyncio.Task[Any]] = set()
 
@@ -271,10 +273,13 @@ class _Demo:
         )
         runs = await self._launch_until_checkpoint(demo)
         in_flight = sorted(key for key, task in runs.items() if not task.done())
-        completed_before_prepare = await self._model_calls(demo)
+        # only the log's length before the prepare: reading the log itself takes long enough under load
+        # for many rollouts to end meanwhile; the entries up to that length are read after the checkpoint
+        completed_before_prepare = await self._model_call_count(demo)
         self._observe("checkpoint", demo)
         exported = await self._checkpoint(demo, gym, in_flight)
-        held_calls = await self._held_calls(exported, completed_before_prepare)
+        completed = (await self._model_calls(demo))[:completed_before_prepare]
+        held_calls = await self._held_calls(exported, completed)
         await self._await_ended_runs(runs, in_flight, exported)
 
         # a rollout whose /run returned a failure before the crash has no result: it is lost
@@ -445,10 +450,12 @@ class _Demo:
             ) from exc
         runs = launch.runs
         self.outcome.launch_seconds, self.outcome.peak_in_flight = launch.launch_seconds, launch.peak_in_flight
+        self.unlaunched = launch.unlaunched
         done = sum(task.done() for task in runs.values())
         at_turn = f", {launch.at_turn} of them at turn {self.trigger.turn} or later" if self.trigger else ""
+        later = f" ({len(launch.unlaunched)} start after the restore)" if launch.unlaunched else ""
         self.progress(
-            f"started {_n(len(runs), 'rollout')} over {self.outcome.launch_seconds:.2f} s "
+            f"started {_n(len(runs), 'rollout')}{later} over {self.outcome.launch_seconds:.2f} s "
             f"(up to {self.outcome.peak_in_flight} at once); {done} finished, {len(runs) - done} in flight"
             f"{at_turn}: checkpoint"
         )
@@ -575,9 +582,12 @@ class _Demo:
                 await gym.retire(to_restart, checkpoint_id=checkpoint_id, deadline_ts=time.time() + self.timeout)
             except Exception as exc:
                 raise _Failed(f"retiring the old attempts of the restarted rollouts failed: {exc}") from exc
-        order = [*exported, *to_restart]
+        unlaunched = set(self.unlaunched)
+        order = [*exported, *to_restart, *self.unlaunched]
 
         async def next_attempt(key: str) -> dict[str, Any]:
+            if key in unlaunched:  # never started before the crash: its first attempt
+                return await stack.run(key, self.tasks[key])
             rollout, attempt = split_capture_key(key)
             return await stack.run(capture_key(rollout, attempt + 1), self.tasks[key])
 
@@ -590,6 +600,7 @@ class _Demo:
         results = {key: result_of(reply) for key, reply in zip(order, replies, strict=True)}
         outcome.continued = sorted(key for key in exported if results[key] is not None)
         outcome.restarted = sorted(key for key in to_restart if results[key] is not None)
+        outcome.started_after_restore = sorted(key for key in unlaunched if results[key] is not None)
         if order:
             try:
                 await gym.forget(order, checkpoint_id=checkpoint_id, deadline_ts=time.time() + self.timeout)
@@ -598,7 +609,9 @@ class _Demo:
         failed = [key for key in order if results[key] is None]
         self.progress(
             f"continued {_n(len(outcome.continued), 'rollout')} from their boundaries and started "
-            f"{len(outcome.restarted)} over, in {outcome.continue_seconds:.2f} s"
+            f"{len(outcome.restarted)} over"
+            + (f" and {len(outcome.started_after_restore)} for the first time" if unlaunched else "")
+            + f", in {outcome.continue_seconds:.2f} s"
             + (
                 f"; [red]{len(failed)} without a result[/], e.g. {escape(failed[0])}: {escape(_reply_of(replies, order, failed[0]))}"
                 if failed
@@ -697,6 +710,13 @@ class _Demo:
     def _observe(self, event: str, stack: RolloutHarness) -> None:
         if self._observer is not None:
             self._observer(event, stack)
+
+    async def _model_call_count(self, stack: RolloutHarness) -> int:
+        """The length of the inference backend's call log; 0 if it cannot be read (it only feeds a count)."""
+        try:
+            return await stack.model_call_count()
+        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError):
+            return 0
 
     async def _model_calls(self, stack: RolloutHarness) -> list[dict[str, Any]]:
         """The inference backend's call log; empty if it cannot be read (it only feeds a count)."""

@@ -7,14 +7,16 @@
   So most in-flight rollouts at the checkpoint are past their first turn and carry a
   conversation, ledger rows and a cut each. Once that share is out of reach (fewer rollouts
   left in flight than it asks, or every one left at the turn already), the checkpoint is
-  taken then, when nearly all of those left in flight are past the turn.
+  taken then, when nearly all of those left in flight are past the turn. The trigger is
+  watched from the start: reached before every rollout started, the rest start after the
+  restore.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,7 +24,15 @@ if TYPE_CHECKING:
 
     from gymckpt.stack.harness import RolloutHarness
 
-__all__ = ["LAUNCH_WINDOW_BOUNDS", "Launch", "TurnTrigger", "in_flight_at_turn", "launch_rollouts", "past_first_turn"]
+__all__ = [
+    "LAUNCH_WINDOW_BOUNDS",
+    "Launch",
+    "TurnTrigger",
+    "in_flight_at_turn",
+    "launch_rollouts",
+    "past_first_turn",
+    "trigger_target",
+]
 
 #: the bounds of the launch window (seconds), whatever the uninterrupted run measured
 LAUNCH_WINDOW_BOUNDS = (0.2, 5.0)
@@ -66,6 +76,8 @@ class Launch:
     at_turn: int = 0
     #: the most there were while the trigger waited
     peak_at_turn: int = 0
+    #: rollouts not started when the trigger was reached during the launch: they start after the restore
+    unlaunched: list[str] = field(default_factory=list)
 
 
 def in_flight_at_turn(rollouts_by_turn: Mapping[str, int], turn: int, finished: int) -> int:
@@ -105,6 +117,12 @@ async def launch_rollouts(
     median rollout, and whatever is left when the first rollout finishes starts then. So
     every rollout is running just before the first ones finish. Then: ``checkpoint_after``
     of them finished (no ``trigger``), or the ``trigger``'s share in flight at its turn.
+
+    A ``trigger`` is also watched during the launch: once its share is in flight at its
+    turn, no more start and the checkpoint is taken then; the rest start after the restore
+    (:attr:`Launch.unlaunched`). Rollouts started together end together, and the trainer
+    sees them end late when the machine is loaded: a trigger asked only after the launch
+    could fire when most of them had ended at the servers.
     """
     low, high = LAUNCH_WINDOW_BOUNDS
     window = min(max(median_rollout, low), high)
@@ -112,40 +130,82 @@ async def launch_rollouts(
     interval = window / max(len(tasks) - at_once, 1)
     runs: dict[str, asyncio.Task[dict[str, Any]]] = {}
     running = peak = 0
-    first_finished = asyncio.Event()
+    #: set when the first rollout finishes (the rest start at once) or the trigger is reached (none more start)
+    go_on = asyncio.Event()
+    reached = asyncio.Event()
 
     def finished(_: object) -> None:
         nonlocal running
         running -= 1
-        first_finished.set()
+        go_on.set()
 
+    watch = (
+        asyncio.create_task(_until_reached(stack, runs, trigger, len(tasks), reached, go_on))
+        if trigger is not None
+        else None
+    )
     began = time.perf_counter()
-    for index, (key, task) in enumerate(tasks.items()):
-        # paced against the clock, so a slow loop does not stretch the window
-        delay = began + max(index - at_once + 1, 0) * interval - time.perf_counter()
-        if delay > 0 and not first_finished.is_set():
-            try:
-                await asyncio.wait_for(first_finished.wait(), delay)
-            except TimeoutError:
-                pass
-        runs[key] = spawn(stack.run(key, task))
-        running += 1
-        runs[key].add_done_callback(finished)
-        peak = max(peak, running)
-    launch = Launch(runs, time.perf_counter() - began, peak)
+    try:
+        for index, (key, task) in enumerate(tasks.items()):
+            # paced against the clock, so a slow loop does not stretch the window
+            delay = began + max(index - at_once + 1, 0) * interval - time.perf_counter()
+            if delay > 0 and not go_on.is_set():
+                try:
+                    await asyncio.wait_for(go_on.wait(), delay)
+                except TimeoutError:
+                    pass
+            if reached.is_set():
+                break
+            runs[key] = spawn(stack.run(key, task))
+            running += 1
+            runs[key].add_done_callback(finished)
+            peak = max(peak, running)
+    finally:
+        if watch is not None:
+            watch.cancel()
+            # a failed poll is raised by the trigger's own loop below, asking again
+            await asyncio.gather(watch, return_exceptions=True)
+    launch = Launch(runs, time.perf_counter() - began, peak, unlaunched=[key for key in tasks if key not in runs])
     if trigger is None:
         target = min(max(int(len(tasks) * checkpoint_after), 1), len(tasks) - 1) if len(tasks) > 1 else 1
         while sum(task.done() for task in runs.values()) < target:
             pending = [task for task in runs.values() if not task.done()]
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         return launch
-    target = max(int(len(tasks) * trigger.share), 1)
+    target = trigger_target(trigger, len(tasks))
     while True:
         done = sum(task.done() for task in runs.values())
         launch.at_turn = at_turn = in_flight_at_turn(await stack.rollouts_by_turn(), trigger.turn, done)
         launch.peak_at_turn = max(launch.peak_at_turn, at_turn)
         in_flight = len(runs) - done
-        if at_turn >= target or in_flight < target or in_flight <= at_turn:
+        if reached.is_set() or at_turn >= target or in_flight < target or in_flight <= at_turn:
             return launch  # reached, or out of reach (too few left in flight, or all of them at the turn)
         pending = [task for task in runs.values() if not task.done()]
         await asyncio.wait(pending, timeout=TURN_POLL_SECONDS)
+
+
+def trigger_target(trigger: TurnTrigger, rollouts: int) -> int:
+    """How many of ``rollouts`` must be in flight at the trigger's turn or later."""
+    return max(int(rollouts * trigger.share), 1)
+
+
+async def _until_reached(
+    stack: RolloutHarness,
+    runs: Mapping[str, asyncio.Task[Any]],
+    trigger: TurnTrigger,
+    rollouts: int,
+    reached: asyncio.Event,
+    go_on: asyncio.Event,
+) -> None:
+    """Set ``reached`` and ``go_on`` once the trigger's share of ``rollouts`` is in flight at its turn.
+
+    Polled every :data:`TURN_POLL_SECONDS`; the launch cancels it when it ends first.
+    """
+    target = trigger_target(trigger, rollouts)
+    while True:
+        done = sum(task.done() for task in runs.values())
+        if in_flight_at_turn(await stack.rollouts_by_turn(), trigger.turn, done) >= target:
+            reached.set()
+            go_on.set()
+            return
+        await asyncio.sleep(TURN_POLL_SECONDS)

@@ -65,6 +65,8 @@ class DemoOutcome:
     exported: list[str] = field(default_factory=list)
     continued: list[str] = field(default_factory=list)
     restarted: list[str] = field(default_factory=list)
+    #: rollouts not started before the checkpoint (a turn trigger reached during the launch): run after the restore
+    started_after_restore: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     #: why the lost rollouts have no result: the commonest failure reasons with counts, before the
     #: crash (a ``/run`` that failed) and after it (a continuation or restart that failed)
@@ -286,6 +288,10 @@ def render(outcome: DemoOutcome, console: Console) -> None:
     if outcome.refused_at_checkpoint:
         restarted_note += f"; {len(outcome.refused_at_checkpoint)} refused while the checkpoint was open"
     table.add_row("restarted", str(len(outcome.restarted)), restarted_note)
+    if outcome.started_after_restore:
+        table.add_row(
+            "started after the restore", str(len(outcome.started_after_restore)), "not started before the checkpoint"
+        )
     table.add_row("lost", _bad(len(outcome.lost)), _some(outcome.lost))
     table.add_row(
         "results differing", _bad(len(outcome.differing)), _some(outcome.differing) or "from the uninterrupted run"

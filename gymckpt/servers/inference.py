@@ -22,7 +22,9 @@ continues a cut generation on the replacement call.
   started each turn as their latest (turn ``n + 1`` for a call id ``"<capture key>:<n>"``), so
   a controller can checkpoint once enough rollouts are past their first turn.
 - ``GET /calls`` → every completed call in order, ``[{"call_id", "prompt_sha256", "seed",
-  "tokens", "staging_key", "generated", "continued_from"}]``; ``POST /calls/reset`` empties it.
+  "tokens", "staging_key", "generated", "continued_from"}]``; ``GET /calls/count`` →
+  ``{"count"}``, how many there are (the log only grows: the first ``count`` entries read
+  later are those completed by then); ``POST /calls/reset`` empties it.
 - ``POST /ng-control/v1/generation-cut`` (a :class:`GenerationCutInventory`) → a generation
   cut receipt: each named call still decoding has the tokens it produced so far staged
   under ``__generation_cut__/<rollout_id>/<model_call_id>`` and is frozen there (it
@@ -224,6 +226,10 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
     @app.get("/calls")
     async def calls() -> Response:
         return FastJSONResponse(backend.calls)
+
+    @app.get("/calls/count")
+    async def call_count() -> dict[str, int]:
+        return {"count": len(backend.calls)}
 
     @app.post("/calls/reset")
     async def reset() -> dict[str, int]:

@@ -385,6 +385,12 @@ class RolloutHarness:
         async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
             return await transport.read_bounded_json(response, transport.data_reply_limit())  # type: ignore[no-any-return]
 
+    async def model_call_count(self) -> int:
+        """How many generations the inference backend has completed (its log's length: it only grows)."""
+        async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls/count") as response:
+            body = await transport.read_bounded_json(response, transport.data_reply_limit())
+        return int(body["count"])
+
     async def rollouts_by_turn(self) -> dict[str, int]:
         """How many rollout attempts stand at each turn (``"1"``: first model call), as the inference backend counts."""
         async with transport.request(self._client(), "GET", f"{self.urls['inference']}/turns") as response:

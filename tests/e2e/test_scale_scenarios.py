@@ -49,7 +49,7 @@ def test_a_few_hundred_rollouts_checkpointed_to_s3_come_back_equal(tmp_path: Pat
     assert (run.lost, run.differing) == (0, 0)
     assert run.exported > 0
     assert run.continued == run.exported
-    assert run.finished_before + run.exported + run.restarted == run.rollouts
+    assert run.finished_before + run.exported + run.restarted + run.started_after_restore == run.rollouts
     assert {name.partition("/")[0] for name in run.bytes_by_participant} == GYM
     assert run.bytes_written == sum(run.bytes_by_participant.values()) > 0
     for phase in ("commit", "restore"):
