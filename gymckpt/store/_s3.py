@@ -477,9 +477,10 @@ class _MultipartSink(BlobSink):
             if not self._object_may_exist:  # a single part, still in memory: one PUT, all or nothing
                 with self._backend.storage_errors(target, "write", writing=True):
                     # s3fs's pipe_file is one put_object below 2 * chunksize (and 5 GiB): at most
-                    # single_put_bytes are buffered here, so this chunksize keeps it one request
+                    # single_put_bytes are buffered here, so this chunksize keeps it one request. The
+                    # buffer itself is the body (botocore sends a bytearray as it is): no second copy
                     self._fs.pipe_file(
-                        self._backend.full_path(target), bytes(self._buffer), chunksize=self._backend.single_put_bytes
+                        self._backend.full_path(target), self._buffer, chunksize=self._backend.single_put_bytes
                     )
             else:
                 with self._backend.storage_errors(target, "copy into place", writing=True):
