@@ -8,9 +8,13 @@ start are the ones the trainer started, and it reports them at the turns the tes
 from __future__ import annotations
 
 import asyncio
+import io
 from typing import Any
 
+from rich.console import Console
+
 from gymckpt.demo.launch import TurnTrigger, launch_rollouts
+from gymckpt.demo.report import DemoOutcome, render
 
 ROLLOUTS = 10
 #: the launch window's upper bound: the second half would start one a second
@@ -82,3 +86,18 @@ def test_a_trigger_not_reached_while_rollouts_start_leaves_none_unlaunched() -> 
     assert stack.started == list(_tasks())
     assert launch.unlaunched == []
     assert launch.at_turn == ROLLOUTS - 1  # the quick one finished
+
+
+def _table(outcome: DemoOutcome) -> str:
+    buffer = io.StringIO()
+    render(outcome, Console(file=buffer, width=200, color_system=None))
+    return " ".join(buffer.getvalue().split())
+
+
+def test_the_table_says_how_many_rollouts_started_only_after_the_restore() -> None:
+    """Rollouts the launch left for after the restore have a row of their own (none: no row)."""
+    outcome = DemoOutcome(rollouts=4, store_url="ckpts", compared=True, exported=["0-0", "1-0"])
+    outcome.continued, outcome.started_after_restore = ["0-0", "1-0"], ["2-0", "3-0"]
+    assert "started after the restore │ 2 │ not started before the checkpoint" in _table(outcome)
+    outcome.started_after_restore = []
+    assert "started after the restore" not in _table(outcome)

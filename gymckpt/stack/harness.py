@@ -194,6 +194,8 @@ class RestoreOutcome:
 
 #: how often :meth:`RolloutHarness.wait_ready` asks a server with several workers whether all have linked
 WORKER_POLL_SECONDS = 0.1
+#: connections of the reads that watch the rollouts (the inference backend's call log and turns)
+OBSERVER_POOL = 4
 
 
 class StackNotReady(RuntimeError):
@@ -217,6 +219,8 @@ class RolloutHarness:
         self.request_timeout = request_timeout
         self.gym_servers = [name for name, server in stack.servers.items() if server.kind != "inference"]
         self._session: aiohttp.ClientSession | None = None
+        #: the inference backend's log and turn counts, read on a pool of their own (:meth:`_observer`)
+        self._observing: aiohttp.ClientSession | None = None
 
     # --- starting
 
@@ -304,7 +308,7 @@ class RolloutHarness:
         async def up() -> DiscoverResult:
             found = await gym.discover()
             if found.ok:
-                async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
+                async with transport.request(self._observer(), "GET", f"{self.urls['inference']}/calls") as response:
                     await transport.read_bounded(response, transport.data_reply_limit())
                 await every_worker_registered([info.url for info in found.participants])
             return found
@@ -363,6 +367,26 @@ class RolloutHarness:
             self._session = transport.client_session(timeout=aiohttp.ClientTimeout(total=self.request_timeout))
         return self._session
 
+    def _observer(self) -> aiohttp.ClientSession:
+        """The session of the reads that watch the rollouts (call log, turns), apart from the ``/run`` pool.
+
+        With every connection of that pool held by a ``/run`` that waits at a checkpoint, a read
+        queued behind them would wait until the rollouts go on, and they do not before the crash.
+        """
+        if self._observing is None or self._observing.closed:
+            self._observing = transport.client_session(
+                limit=OBSERVER_POOL,
+                limit_per_host=OBSERVER_POOL,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+            )
+        return self._observing
+
+    async def _close_sessions(self) -> None:
+        for session in (self._session, self._observing):
+            if session is not None:
+                await session.close()
+        self._session = self._observing = None
+
     async def run(self, episode_id: str, task: dict[str, Any]) -> dict[str, Any]:
         """One ``/run`` of the environment server; the reply body (a result or a failure), with its HTTP status.
 
@@ -382,18 +406,18 @@ class RolloutHarness:
 
     async def model_calls(self) -> list[dict[str, Any]]:
         """Every generation the inference backend completed, in order."""
-        async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls") as response:
+        async with transport.request(self._observer(), "GET", f"{self.urls['inference']}/calls") as response:
             return await transport.read_bounded_json(response, transport.data_reply_limit())  # type: ignore[no-any-return]
 
     async def model_call_count(self) -> int:
         """How many generations the inference backend has completed (its log's length: it only grows)."""
-        async with transport.request(self._client(), "GET", f"{self.urls['inference']}/calls/count") as response:
+        async with transport.request(self._observer(), "GET", f"{self.urls['inference']}/calls/count") as response:
             body = await transport.read_bounded_json(response, transport.data_reply_limit())
         return int(body["count"])
 
     async def rollouts_by_turn(self) -> dict[str, int]:
         """How many rollout attempts stand at each turn (``"1"``: first model call), as the inference backend counts."""
-        async with transport.request(self._client(), "GET", f"{self.urls['inference']}/turns") as response:
+        async with transport.request(self._observer(), "GET", f"{self.urls['inference']}/turns") as response:
             body = await transport.read_bounded_json(response, transport.data_reply_limit())
         counts = body.get("rollouts_by_turn") if isinstance(body, dict) else None
         return {str(name): int(count) for name, count in counts.items()} if isinstance(counts, dict) else {}
@@ -401,7 +425,7 @@ class RolloutHarness:
     async def reset_model_calls(self) -> None:
         # clearing twice leaves the log as clearing once: safe to send again
         async with transport.request(
-            self._client(), "POST", f"{self.urls['inference']}/calls/reset", resend=True
+            self._observer(), "POST", f"{self.urls['inference']}/calls/reset", resend=True
         ) as response:
             await transport.read_bounded(response, transport.data_reply_limit())
 
@@ -466,13 +490,9 @@ class RolloutHarness:
 
     async def detach(self) -> dict[str, int]:
         """Leave every server running; close this side's HTTP session. Returns :attr:`pids`."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._close_sessions()
         return self.pids
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._close_sessions()
         await asyncio.to_thread(self.stack.close)
