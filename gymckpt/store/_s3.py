@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import io
 import logging
 import os
 import threading
@@ -70,6 +69,7 @@ from gymckpt.store._fsspec import (
     temporary_path,
     translate_failure,
 )
+from gymckpt.store._s3_bodies import BufferBody, ObjectReader, rewind_bodies
 from gymckpt.store.backend import BlobSink, join, safe_relative_path
 
 if TYPE_CHECKING:
@@ -352,7 +352,7 @@ class S3Backend(FsspecBackend):
         bucket, key = self.bucket_key(path)
         with self.storage_errors(path, "open"):
             response = self.fs.call_s3("get_object", Bucket=bucket, Key=key)
-        return _ObjectReader(self, path, response["Body"])  # type: ignore[return-value]
+        return ObjectReader(self, path, response["Body"])  # type: ignore[return-value]
 
     def size(self, path: str) -> int:
         bucket, key = self.bucket_key(path)
@@ -419,11 +419,16 @@ class _MultipartSink(BlobSink):
             Key=self._key,
             UploadId=self._upload_id,
             PartNumber=self._submitted,
-            Body=part,
+            Body=self._body(part),
         )
         self._inflight.append((self._submitted, asyncio.run_coroutine_threadsafe(coroutine, self._fs.loop)))
         while len(self._inflight) > self._backend.upload_concurrency:
             self._settle_oldest()
+
+    def _body(self, data: bytes | bytearray) -> BufferBody:
+        """``data`` as a request body read in place; each call of the client reads it from its start."""
+        rewind_bodies(self._fs.s3)
+        return BufferBody(data)
 
     def _settle_oldest(self) -> None:
         number, future = self._inflight.popleft()
@@ -476,12 +481,9 @@ class _MultipartSink(BlobSink):
         try:
             if not self._object_may_exist:  # a single part, still in memory: one PUT, all or nothing
                 with self._backend.storage_errors(target, "write", writing=True):
-                    # s3fs's pipe_file is one put_object below 2 * chunksize (and 5 GiB): at most
-                    # single_put_bytes are buffered here, so this chunksize keeps it one request. The
-                    # buffer itself is the body (botocore sends a bytearray as it is): no second copy
-                    self._fs.pipe_file(
-                        self._backend.full_path(target), self._buffer, chunksize=self._backend.single_put_bytes
-                    )
+                    # one put_object of at most single_put_bytes, read from the buffer in place
+                    self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=self._body(self._buffer))
+                    self._fs.invalidate_cache(self._backend.full_path(target))
             else:
                 with self._backend.storage_errors(target, "copy into place", writing=True):
                     if self._size < _MAX_SINGLE_COPY:
@@ -547,57 +549,3 @@ class _MultipartSink(BlobSink):
             self._stray_uploads_possible = False
         except (StorageError, OSError) as exc:
             logger.warning("could not abort the stray multipart uploads of %s: %s", self.temp_path, exc)
-
-
-class _ObjectReader(io.RawIOBase):
-    """One streamed GET of an S3 object, read in the sizes the caller asks for."""
-
-    def __init__(self, backend: S3Backend, path: str, body: Any) -> None:
-        super().__init__()
-        self._backend = backend
-        self._loop = backend.fs.loop
-        self._path = path
-        self._body = body
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        if self._body is None:
-            raise ValueError("read from a closed stream")
-        with self._backend.storage_errors(self._path, "read"):
-            return sync(self._loop, self._read, -1 if size is None else size)
-
-    async def _read(self, size: int) -> bytes:
-        if size < 0:
-            return await self._body.read()
-        pieces: list[bytes] = []
-        wanted = size
-        while wanted > 0:
-            piece = await self._body.read(wanted)
-            if not piece:
-                break
-            pieces.append(piece)
-            wanted -= len(piece)
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        body, self._body = self._body, None
-        if body is not None:
-
-            async def close_body() -> None:
-                body.close()
-
-            try:
-                sync(self._loop, close_body, timeout=5)
-            except Exception:
-                pass
-        super().close()
