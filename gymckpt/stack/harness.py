@@ -489,7 +489,7 @@ class RolloutHarness:
     # --- ending
 
     async def detach(self) -> dict[str, int]:
-        """Leave every server running; close this side's HTTP session. Returns :attr:`pids`."""
+        """Leave every server running; close this side's HTTP sessions. Returns :attr:`pids`."""
         await self._close_sessions()
         return self.pids
 
