@@ -174,8 +174,8 @@ async def launch_rollouts(
         return launch
     target = trigger_target(trigger, len(tasks))
     while True:
-        done = sum(task.done() for task in runs.values())
-        launch.at_turn = at_turn = in_flight_at_turn(await stack.rollouts_by_turn(), trigger.turn, done)
+        at_turn, done = await _at_turn_now(stack, runs, trigger.turn)
+        launch.at_turn = at_turn
         launch.peak_at_turn = max(launch.peak_at_turn, at_turn)
         in_flight = len(runs) - done
         if reached.is_set() or at_turn >= target or in_flight < target or in_flight <= at_turn:
@@ -187,6 +187,12 @@ async def launch_rollouts(
 def trigger_target(trigger: TurnTrigger, rollouts: int) -> int:
     """How many of ``rollouts`` must be in flight at the trigger's turn or later."""
     return max(int(rollouts * trigger.share), 1)
+
+
+async def _at_turn_now(stack: RolloutHarness, runs: Mapping[str, asyncio.Task[Any]], turn: int) -> tuple[int, int]:
+    """The rollouts in flight at ``turn`` or later as the inference backend counts them now, and those finished."""
+    done = sum(task.done() for task in runs.values())
+    return in_flight_at_turn(await stack.rollouts_by_turn(), turn, done), done
 
 
 async def _until_reached(
@@ -203,8 +209,7 @@ async def _until_reached(
     """
     target = trigger_target(trigger, rollouts)
     while True:
-        done = sum(task.done() for task in runs.values())
-        if in_flight_at_turn(await stack.rollouts_by_turn(), trigger.turn, done) >= target:
+        if (await _at_turn_now(stack, runs, trigger.turn))[0] >= target:
             reached.set()
             go_on.set()
             return
