@@ -4,11 +4,13 @@
 
     python -m benchmarks.bench_ray                      # 2,000 rollouts
     python -m benchmarks.bench_ray --rollouts 500 --json out.json
+    python -m benchmarks.bench_ray --checkpoint-turn 2    # issue 27's scenario (a), checkpointed by turn
 
 Both runs take the same tasks, the same stack (:func:`~gymckpt.stack.harness.default_stack_spec`,
-its compact state, one uvicorn worker per server), the same inference token delay, a checkpoint
-to ``s3://`` on moto's server (a child process) once half the rollouts have finished, and every
-result compared with an uninterrupted run:
+one uvicorn worker per server, the realistic state of issue 27 unless ``--state compact``), the
+same inference token delay, a checkpoint to ``s3://`` on moto's server (a child process) once
+half the rollouts have finished (or, with ``--checkpoint-turn``, once half of them are in flight
+at that turn), and every result compared with an uninterrupted run:
 
 - **three Ray nodes** (:func:`gymckpt.demo.ray_demo.run_ray_demo`): a head and two worker
   raylets on this machine, the environment and agent on ``node1``; ``node1`` is SIGKILLed,
@@ -44,6 +46,7 @@ from benchmarks.machine import positive
 from benchmarks.scale_demo import BUCKET, ChildMoto
 from gymckpt import __version__ as gymckpt_version
 from gymckpt.demo import run_demo
+from gymckpt.demo.launch import TurnTrigger
 from gymckpt.demo.ray_demo import RayDemoUnavailable, run_ray_demo
 from gymckpt.stack.harness import StateSizes
 from gymckpt.transport import raise_descriptor_limit
@@ -66,6 +69,9 @@ class Side:
     prepare_seconds: float = 0.0
     commit_seconds: float = 0.0
     restore_seconds: float = 0.0
+    exported_past_first_turn: int = 0
+    started_after_restore: int = 0
+    records_mb: float = 0.0
     #: from the loss to fresh server processes answering (before the restore)
     placed_seconds: float = 0.0
     recovery_seconds: float = 0.0
@@ -82,6 +88,8 @@ def _ray_side(args: argparse.Namespace, console: Console) -> Side:
             timeout=args.timeout,
             token_delay_seconds=args.token_delay,
             checkpoint_after=args.checkpoint_after,
+            sizes=_sizes(args),
+            checkpoint_turn=_trigger(args),
         )
     except RayDemoUnavailable as exc:
         return Side("three Ray nodes", error=str(exc))
@@ -99,6 +107,9 @@ def _ray_side(args: argparse.Namespace, console: Console) -> Side:
         prepare_seconds=outcome.prepare_seconds,
         commit_seconds=outcome.commit_seconds,
         restore_seconds=outcome.restore_seconds,
+        exported_past_first_turn=outcome.exported_past_first_turn,
+        started_after_restore=outcome.started_after_restore,
+        records_mb=sum(outcome.records_bytes.values()) / 1e6,
         placed_seconds=outcome.placed_seconds,
         recovery_seconds=outcome.recovery_seconds,
         total_seconds=outcome.total_seconds,
@@ -121,7 +132,8 @@ def _one_machine_side(args: argparse.Namespace, console: Console, root: Path) ->
                 restore_workers=1,
                 stack_options={"token_delay_seconds": args.token_delay},
                 checkpoint_after=args.checkpoint_after,
-                sizes=StateSizes.compact(),
+                sizes=_sizes(args),
+                checkpoint_turn=_trigger(args),
             )
     finally:
         quiet.file.close()
@@ -137,10 +149,21 @@ def _one_machine_side(args: argparse.Namespace, console: Console, root: Path) ->
         prepare_seconds=outcome.prepare_seconds,
         commit_seconds=outcome.commit_seconds,
         restore_seconds=outcome.restore_seconds,
+        exported_past_first_turn=outcome.exported_past_first_turn,
+        started_after_restore=len(outcome.started_after_restore),
+        records_mb=outcome.bytes_written / 1e6,
         placed_seconds=outcome.restart_seconds,
         recovery_seconds=outcome.restart_seconds + outcome.restore_seconds,
         total_seconds=outcome.total_seconds,
     )
+
+
+def _sizes(args: argparse.Namespace) -> StateSizes:
+    return StateSizes() if args.state == "realistic" else StateSizes.compact()
+
+
+def _trigger(args: argparse.Namespace) -> TurnTrigger | None:
+    return TurnTrigger(turn=args.checkpoint_turn, share=0.5) if args.checkpoint_turn > 0 else None
 
 
 def render(sides: list[Side], out: Console) -> None:
@@ -151,6 +174,9 @@ def render(sides: list[Side], out: Console) -> None:
     rows: list[tuple[str, str]] = [
         ("finished before the loss", "finished_before"),
         ("exported (continued after it)", "exported"),
+        ("exported past their first turn", "exported_past_first_turn"),
+        ("started after the restore (never launched)", "started_after_restore"),
+        ("records MB", "records_mb"),
         ("lost", "lost"),
         ("differing", "differing"),
         ("prepare s", "prepare_seconds"),
@@ -175,6 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token-delay", type=float, default=0.03, help="the inference backend's s per token")
     parser.add_argument(
         "--checkpoint-after", type=float, default=0.5, help="share of rollouts finished at the checkpoint (0.5)"
+    )
+    parser.add_argument(
+        "--state",
+        choices=("compact", "realistic"),
+        default="realistic",
+        help="the state each rollout carries: realistic (the demo's default, issue 27's scenario (a): prompts, "
+        "tool outputs, 96-token generations with logprobs, reasoning), or compact (the small stack)",
+    )
+    parser.add_argument(
+        "--checkpoint-turn",
+        type=int,
+        default=0,
+        help="checkpoint once half the rollouts in flight reached this turn (0: by --checkpoint-after)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="bound of each phase in seconds (1800)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")

@@ -51,7 +51,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gymckpt.demo.launch import TurnTrigger
 from gymckpt.demo.report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, Progress, compare_results, result_of
+from gymckpt.stack.harness import StateSizes
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -106,6 +108,12 @@ class RayDemoOutcome:
     recovery_seconds: float = 0.0
     uninterrupted_seconds: float = 0.0
     total_seconds: float = 0.0
+    #: rollouts the turn trigger left unlaunched, started after the restore as first attempts, with a result
+    started_after_restore: int = 0
+    #: exported rollouts past their first turn (from the checkpoint's environment and agent records)
+    exported_past_first_turn: int = 0
+    #: ``kind/instance`` → bytes of the participant's records in the checkpoint
+    records_bytes: dict[str, int] = field(default_factory=dict)
     error: str = ""
     exit_code: int = EXIT_OK
 
@@ -138,11 +146,17 @@ def run_ray_demo(
     timeout: float = 300.0,
     token_delay_seconds: float = 0.03,
     checkpoint_after: float = 0.5,
+    sizes: StateSizes | None = None,
+    checkpoint_turn: TurnTrigger | None = None,
 ) -> RayDemoOutcome:
     """Run the Ray demo (see the module); print progress on ``progress_console`` and the table on ``console``.
 
     Raises :class:`RayDemoUnavailable` when the machine lacks what it needs. ``timeout`` bounds
-    each phase of the controller.
+    each phase of the controller. ``sizes``: the state each rollout carries
+    (:class:`~gymckpt.stack.harness.StateSizes`; default its realistic defaults, as
+    :func:`~gymckpt.demo.run_demo`'s; :meth:`StateSizes.compact` for the small stack);
+    ``checkpoint_turn``: checkpoint once that share of the rollouts in flight reached that turn
+    (instead of ``checkpoint_after`` of them finished).
     """
     why = unavailable()
     if why is not None:
@@ -180,6 +194,8 @@ def run_ray_demo(
             "cpus": cpus,
             "token_delay_seconds": token_delay_seconds,
             "checkpoint_after": checkpoint_after,
+            "sizes": asdict(sizes if sizes is not None else StateSizes()),
+            "checkpoint_turn": None if checkpoint_turn is None else asdict(checkpoint_turn),
         }
         outcome = _run_controller(cluster, request, base, progress_console or console, timeout) or outcome
     finally:
@@ -253,6 +269,9 @@ def render(outcome: RayDemoOutcome, console: Console) -> None:
         ("exported", str(outcome.exported)),
         ("continued", str(outcome.continued)),
         ("started over", str(outcome.started_over)),
+        ("started after the restore", str(outcome.started_after_restore)),
+        ("exported past their first turn", str(outcome.exported_past_first_turn)),
+        ("records bytes", f"{sum(outcome.records_bytes.values()):,}"),
         ("lost", str(len(outcome.lost))),
         ("differing", str(len(outcome.differing))),
         ("placements after the loss", str(outcome.placements)),
@@ -285,7 +304,10 @@ async def _controller(request: dict[str, Any], outcome: RayDemoOutcome, progress
     token = secrets.token_urlsafe(16)
     with _child_s3(BUCKET) as options:
         spec = default_stack_spec(
-            token=token, storage_options=options, token_delay_seconds=float(request["token_delay_seconds"])
+            token=token,
+            storage_options=options,
+            token_delay_seconds=float(request["token_delay_seconds"]),
+            sizes=StateSizes(**request["sizes"]),
         )
         root = f"s3://{BUCKET}/run"
         spec["ray"] = {
@@ -305,7 +327,7 @@ async def _controller(request: dict[str, Any], outcome: RayDemoOutcome, progress
         stack = RayStack(spec, address=request["address"])
         harness = RolloutHarness(stack, token, request_timeout=timeout)  # type: ignore[arg-type]
         try:
-            await _phases(request, outcome, progress, stack, harness, names_of)
+            await _phases(request, outcome, progress, stack, harness, names_of, options)
         finally:
             await harness.close()
 
@@ -353,9 +375,11 @@ async def _phases(
     stack: RayStack,
     harness: RolloutHarness,
     names_of: dict[str, str],
+    storage_options: dict[str, Any],
 ) -> None:
     from gymckpt.control.coordination import runs_to_await
-    from gymckpt.demo.launch import launch_rollouts
+    from gymckpt.demo.launch import launch_rollouts, past_first_turn
+    from gymckpt.demo.measure import stages_at_checkpoint
     from gymckpt.identity import capture_key, split_capture_key
     from gymckpt.stack.harness import task_for
     from gymckpt.stack.ray_recovery import recover
@@ -363,7 +387,8 @@ async def _phases(
 
     timeout = float(request["timeout"])
     rollouts, first = int(request["rollouts"]), int(request["seed"]) * int(request["rollouts"])
-    tasks = {f"{first + i}-0": task_for(first + i) for i in range(rollouts)}
+    prompt_chars = int(request["sizes"]["prompt_chars"])
+    tasks = {f"{first + i}-0": task_for(first + i, prompt_chars=prompt_chars) for i in range(rollouts)}
     placed = await asyncio.to_thread(stack.place)
     outcome.before = _named(placed, names_of)
     gym = await harness.wait_ready(timeout=timeout)
@@ -377,6 +402,8 @@ async def _phases(
     if any(result is None for result in reference.values()):
         raise _Failed("the uninterrupted run failed for some rollouts", EXIT_SETUP)
     progress(f"uninterrupted run: {rollouts} rollouts in {outcome.uninterrupted_seconds:.1f} s")
+    # the same backend serves both runs: the turn trigger must count only the second run's rollouts
+    await harness.reset_model_calls()
 
     spawned: list[asyncio.Task[Any]] = []
 
@@ -391,9 +418,10 @@ async def _phases(
             spawn=spawn,
             median_rollout=outcome.uninterrupted_seconds / 2,
             checkpoint_after=float(request["checkpoint_after"]),
-            trigger=None,
+            trigger=TurnTrigger.of(request.get("checkpoint_turn")),
         )
     runs = launch.runs
+    unlaunched = set(launch.unlaunched)
     in_flight = sorted(key for key, task in runs.items() if not task.done())
     outcome.in_flight = len(in_flight)
     cut = await harness.checkpoint(gym, "ray-demo", outcome.checkpoint_dir, in_flight, deadline_seconds=timeout)
@@ -401,9 +429,17 @@ async def _phases(
     environment = next(reply for reply in cut.commits.values() if reply.kind == "environment")
     exported = sorted(set(environment.episode_ids) & set(cut.scope))
     outcome.exported = len(exported)
+    outcome.records_bytes = {
+        f"{reply.kind}/{reply.instance}": reply.records_bytes or 0 for reply in cut.commits.values()
+    }
+    if exported:
+        stages = await asyncio.to_thread(stages_at_checkpoint, outcome.checkpoint_dir, storage_options, exported)
+        outcome.exported_past_first_turn = past_first_turn(stages)
     progress(
         f"checkpoint with {len(in_flight)} rollouts in flight: prepare {cut.prepare_seconds:.3f} s, "
-        f"commit {cut.commit_seconds:.3f} s, {len(exported)} exported"
+        f"commit {cut.commit_seconds:.3f} s, {len(exported)} exported ({outcome.exported_past_first_turn} past "
+        f"their first turn), {sum(outcome.records_bytes.values()) / 1e6:.1f} MB of records"
+        + (f"; {len(unlaunched)} not started yet, they start after the restore" if unlaunched else "")
     )
     waiting = runs_to_await(in_flight, committed=exported, restarts=cut.prepared.restarts())
     if pending := [runs[key] for key in waiting if not runs[key].done()]:
@@ -414,7 +450,7 @@ async def _phases(
             finals[key] = result_of(task.result())
     finals = {key: result for key, result in finals.items() if result is not None}
     outcome.finished_before = len(finals)
-    over = sorted(key for key in tasks if key not in exported and key not in finals)
+    over = sorted(key for key in tasks if key not in exported and key not in finals and key not in unlaunched)
 
     cluster = RayCluster(Path(request["base"]), workers=len(request["node_ids"]) - 1)
     cluster.cluster_id = request["cluster_id"]
@@ -457,10 +493,12 @@ async def _phases(
             await gym.retire(over, checkpoint_id="ray-demo", deadline_ts=time.time() + timeout)
 
         async def next_attempt(key: str) -> dict[str, Any]:
+            if key in unlaunched:  # never started before the loss: its first attempt
+                return await harness.run(key, tasks[key])
             rollout, attempt = split_capture_key(key)
             return await harness.run(capture_key(rollout, attempt + 1), tasks[key])
 
-        order = [*exported, *over]
+        order = [*exported, *over, *sorted(unlaunched)]
         async with asyncio.timeout(timeout):
             replies = await asyncio.gather(*(next_attempt(key) for key in order))
     finally:
@@ -468,6 +506,7 @@ async def _phases(
     results = {key: result_of(reply) for key, reply in zip(order, replies, strict=True)}
     outcome.continued = sum(results[key] is not None for key in exported)
     outcome.started_over = sum(results[key] is not None for key in over)
+    outcome.started_after_restore = sum(results[key] is not None for key in unlaunched)
     finals.update(results)
     outcome.lost, outcome.differing = compare_results(reference, finals)
     progress(f"{outcome.continued} continued, {outcome.started_over} started over; compared with the uninterrupted run")

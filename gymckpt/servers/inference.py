@@ -24,7 +24,8 @@ continues a cut generation on the replacement call.
 - ``GET /calls`` → every completed call in order, ``[{"call_id", "prompt_sha256", "seed",
   "tokens", "staging_key", "generated", "continued_from"}]``; ``GET /calls/count`` →
   ``{"count"}``, how many there are (the log only grows: the first ``count`` entries read
-  later are those completed by then); ``POST /calls/reset`` empties it.
+  later are those completed by then); ``POST /calls/reset`` empties it and forgets the turns
+  ``GET /turns`` counts (a run after it counts only its own rollouts).
 - ``POST /ng-control/v1/generation-cut`` (a :class:`GenerationCutInventory`) → a generation
   cut receipt: each named call still decoding has the tokens it produced so far staged
   under ``__generation_cut__/<rollout_id>/<model_call_id>`` and is frozen there (it
@@ -233,9 +234,7 @@ def build_inference_app(config: InferenceConfig) -> FastAPI:
 
     @app.post("/calls/reset")
     async def reset() -> dict[str, int]:
-        cleared = len(backend.calls)
-        backend.calls.clear()
-        return {"cleared": cleared}
+        return {"cleared": backend.reset_log()}
 
     @app.post(GENERATION_CUT_ROUTE)
     async def generation_cut(request: Request) -> Response:

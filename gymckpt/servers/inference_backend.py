@@ -381,6 +381,13 @@ class InferenceBackend:
         """How many rollout attempts stand at each turn (the latest one a call of theirs started)."""
         return {str(turn): count for turn, count in sorted(Counter(self.turns.values()).items())}
 
+    def reset_log(self) -> int:
+        """Forget the completed calls and the turns seen so far (a new run counts only its own); how many calls."""
+        cleared = len(self.calls)
+        self.calls.clear()
+        self.turns.clear()
+        return cleared
+
     # --- generation cut
 
     async def _decoded(self, live: _Live, client: ClientWatch) -> bool:

@@ -423,6 +423,7 @@ class RolloutHarness:
         return {str(name): int(count) for name, count in counts.items()} if isinstance(counts, dict) else {}
 
     async def reset_model_calls(self) -> None:
+        """Empty the inference backend's call log and forget the turns it counted (:meth:`rollouts_by_turn`)."""
         # clearing twice leaves the log as clearing once: safe to send again
         async with transport.request(
             self._observer(), "POST", f"{self.urls['inference']}/calls/reset", resend=True

@@ -52,7 +52,7 @@ def test_the_same_tokens_in_another_backend() -> None:
     run(main)
 
 
-def test_calls_log_lists_completed_calls_in_order_and_reset_empties_it() -> None:
+def test_calls_log_lists_completed_calls_in_order_and_reset_empties_it_and_the_turns() -> None:
     async def main() -> None:
         async with _client() as client:
             assert (await client.get("/calls")).json() == []
@@ -79,8 +79,11 @@ def test_calls_log_lists_completed_calls_in_order_and_reset_empties_it() -> None
                     "continued_from": 0,
                 },
             ]
-            assert (await client.post("/calls/reset")).status_code == 200
+            assert (await client.get("/turns")).json() == {"rollouts_by_turn": {"2": 1}}
+            assert (await client.post("/calls/reset")).json() == {"cleared": 2}
             assert (await client.get("/calls")).json() == []
+            # the turns are forgotten with the log: a run after the reset counts only its own rollouts
+            assert (await client.get("/turns")).json() == {"rollouts_by_turn": {}}
 
     run(main)
 
