@@ -60,9 +60,10 @@ def test_demo_ray_recovers_every_rollout_on_the_nodes_left() -> None:
     assert rows["rollouts"] == ["16"] and rows["lost"] == ["0"] and rows["differing"] == ["0"]
     exported = int(rows["exported"][0])
     assert exported >= 1 and rows["continued"] == rows["exported"]
-    # the realistic state (prompts, tool outputs, ledgers with logprobs) went through the loss: a rollout
-    # on its first turn already carries ~3.9 KB (environment ~1.1, agent ~1.1, model ~1.6), the compact one ~0.3
-    assert int(rows["records bytes"][0].replace(",", "")) >= 3_000 * exported, rows["records bytes"]
+    # the realistic state (prompts, tool outputs, ledgers with logprobs) went through the loss: a rollout on
+    # its first turn carries ~3.9 KB (environment ~1.1, agent ~1.1, model ~1.6), the compact state ~0.3 KB;
+    # 2 KB on average leaves room for rollouts exported before their first model call
+    assert int(rows["records bytes"][0].replace(",", "")) >= 2_000 * exported, rows["records bytes"]
     assert 0 <= int(rows["exported past their first turn"][0]) <= exported
     assert "ok: every rollout has its result" in done.stdout
 
