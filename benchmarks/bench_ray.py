@@ -42,7 +42,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.machine import positive
+from benchmarks.machine import non_negative, positive
 from benchmarks.scale_demo import BUCKET, ChildMoto
 from gymckpt import __version__ as gymckpt_version
 from gymckpt.demo import run_demo
@@ -211,9 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--checkpoint-turn",
-        type=int,
+        type=non_negative,
         default=0,
-        help="checkpoint once half the rollouts in flight reached this turn (0: by --checkpoint-after)",
+        help="checkpoint once half of all rollouts are in flight at this model call or later (0: by --checkpoint-after)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="bound of each phase in seconds (1800)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from rich.console import Console
 
-from benchmarks.machine import cpu_snapshot, filesystem, positive, warn_if_disturbed
+from benchmarks.machine import cpu_snapshot, filesystem, non_negative, positive, warn_if_disturbed
 from benchmarks.scale_demo import BUCKET, ChildMoto, DemoKnobs, ScaleRun, run_demo_scenario
 from benchmarks.scale_report import TARGETS, render_demo_runs, render_s3_ratio, render_sessions, s3_commit_ratio
 from benchmarks.scale_sampling import py_spy
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--checkpoint-turn",
-        type=int,
+        type=non_negative,
         default=2,
         help="(a, c) checkpoint once --checkpoint-share of all rollouts are in flight at this model call or later "
         "(2; 0: by --checkpoint-after)",

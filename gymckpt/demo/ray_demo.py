@@ -433,8 +433,14 @@ async def _phases(
         f"{reply.kind}/{reply.instance}": reply.records_bytes or 0 for reply in cut.commits.values()
     }
     if exported:
-        stages = await asyncio.to_thread(stages_at_checkpoint, outcome.checkpoint_dir, storage_options, exported)
-        outcome.exported_past_first_turn = past_first_turn(stages)
+        try:
+            stages = await asyncio.to_thread(stages_at_checkpoint, outcome.checkpoint_dir, storage_options, exported)
+        except Exception as exc:  # only a figure of the table: said, never the demo's failure
+            progress(
+                f"where the exported rollouts stood could not be read (counted as none past the first turn): {exc}"
+            )
+        else:
+            outcome.exported_past_first_turn = past_first_turn(stages)
     progress(
         f"checkpoint with {len(in_flight)} rollouts in flight: prepare {cut.prepare_seconds:.3f} s, "
         f"commit {cut.commit_seconds:.3f} s, {len(exported)} exported ({outcome.exported_past_first_turn} past "

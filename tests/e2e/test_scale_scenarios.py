@@ -87,7 +87,7 @@ def test_scenarios_and_pass_through_options_are_read_from_the_command_line() -> 
     assert dict(args.stack_option) == {"prompt_tokens": 300, "label": "long text"}
     assert dict(args.demo_option) == {"checkpoint_turn": 2}
     assert (args.sessions, args.session_bytes) == (20, 350_000)
-    for wrong in (["--scenario", "d"], ["--scenario", ""], ["--stack-option", "novalue"]):
+    for wrong in (["--scenario", "d"], ["--scenario", ""], ["--stack-option", "novalue"], ["--checkpoint-turn", "-1"]):
         with pytest.raises(SystemExit) as exited:
             build_parser().parse_args(wrong)
         assert exited.value.code == 2
