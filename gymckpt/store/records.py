@@ -77,6 +77,11 @@ _BUFFERS = _QUEUE_DEPTH + 2
 #: thread holds; small files keep their chunks, which measured faster for them)
 _LARGE_FILE = 64 << 20
 _LARGE_BUFFERS = 2
+#: a write's first chunk: later ones grow with what was written (an eighth of it, up to the chunk
+#: size), so the buffers a write keeps stay below the file's own size (six buffers: three quarters
+#: of it at most) instead of costing ``_BUFFERS`` full chunks even for a file of a few megabytes
+_FIRST_CHUNK = 256 << 10
+_CHUNK_GROWTH = 8
 _END = object()
 
 
@@ -176,8 +181,9 @@ def write_records(
 ) -> RecordsSummary:
     """Encode ``records`` into ``sink`` one at a time; return digest, size, count and ids.
 
-    Chunks of at least ``chunk_size`` bytes (whole lines) go to ``sink.write``; a large file's
-    later chunks are larger (``_LARGE_FILE``), in the same memory. Raises
+    Chunks of whole lines go to ``sink.write``: the first of about 256 KiB, then growing with the
+    bytes written up to ``chunk_size`` (``_FIRST_CHUNK``), and a large file's later chunks larger
+    still (``_LARGE_FILE``), in the same memory. Raises
     :class:`InvalidRecord` (no leading episode_id, a duplicate id),
     :class:`~gymckpt.errors.NotJSONError`, :class:`WriteStopped`, or the sink's
     storage error. The sink is left for the caller to finish or abort.
@@ -201,7 +207,7 @@ def _write_chunks(
     # worst-case allocation of several times its length for as long as the bytes live
     batch = writer.empty_buffer()
     filled = 0
-    target = chunk_size
+    target = min(chunk_size, _FIRST_CHUNK)
     handed = 0
     pending = iter(records)
     try:
@@ -244,7 +250,9 @@ def _write_chunks(
                     break
                 writer.inbox.put((batch, filled))
                 handed += filled
-                if target == chunk_size and handed >= max(_LARGE_FILE, 16 * chunk_size):
+                if target < chunk_size:
+                    target = min(chunk_size, max(target, handed // _CHUNK_GROWTH))
+                elif target == chunk_size and handed >= max(_LARGE_FILE, 16 * chunk_size):
                     target = chunk_size * _BUFFERS // _LARGE_BUFFERS  # a large file: see _LARGE_FILE
                     writer.buffer_limit = _LARGE_BUFFERS
                 batch = writer.empty_buffer()

@@ -103,3 +103,24 @@ def test_small_files_keep_their_chunk_size() -> None:
     write_records(sink, records, chunk_size=2048)
     largest = max(len(encode_record(record)[1]) for record in records)
     assert all(2048 <= size < 2048 + largest for size in sink.sizes[:-1])
+
+
+def test_chunks_grow_with_the_file_from_a_small_first_one() -> None:
+    """At the default chunk size a file of a few megabytes is not held in a few whole-file chunks: its
+    first chunk is small and each later one an eighth of what was written, so the buffers stay below it."""
+    records = _records(3_000, payload=1_000)
+    sink = ChunkSink()
+    summary = write_records(sink, records)
+    digest, lines = _expected(records)
+    assert summary.sha256 == digest == sink.hasher.hexdigest()
+    assert summary.size == sum(sink.sizes) == sum(map(len, lines))
+    largest = max(map(len, lines))
+    assert sink.sizes[0] < records_module._FIRST_CHUNK + largest
+    handed = 0
+    for size in sink.sizes[:-1]:
+        target = min(records_module.DEFAULT_CHUNK_SIZE, max(records_module._FIRST_CHUNK, handed // 8))
+        assert target <= size < target + largest, (handed, size)
+        handed += size
+    assert len(sink.sizes) > 8
+    # every buffer the write may keep, each as large as its largest chunk: still less than the file
+    assert records_module._BUFFERS * max(sink.sizes) < summary.size
