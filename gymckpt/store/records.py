@@ -181,9 +181,9 @@ def write_records(
 ) -> RecordsSummary:
     """Encode ``records`` into ``sink`` one at a time; return digest, size, count and ids.
 
-    Chunks of whole lines go to ``sink.write``: the first of about 256 KiB, then growing with the
-    bytes written up to ``chunk_size`` (``_FIRST_CHUNK``), and a large file's later chunks larger
-    still (``_LARGE_FILE``), in the same memory. Raises
+    Chunks of whole lines go to ``sink.write``: the first of ``_FIRST_CHUNK`` (256 KiB), each later
+    one an eighth of the bytes written so far, up to ``chunk_size``; a large file's later chunks
+    are larger still (``_LARGE_FILE``), in the same memory. Raises
     :class:`InvalidRecord` (no leading episode_id, a duplicate id),
     :class:`~gymckpt.errors.NotJSONError`, :class:`WriteStopped`, or the sink's
     storage error. The sink is left for the caller to finish or abort.
