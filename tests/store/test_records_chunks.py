@@ -1,4 +1,5 @@
-"""How write_records hands its chunks to a sink: a few buffers used over and over, larger chunks for large files.
+"""How write_records hands its chunks to a sink: a few buffers used over and over, larger chunks for large files;
+and how read_records asks its stream for them: never more than the read chunk at a time.
 
 The sink here keeps each chunk's buffer object (not a copy of it) to tell them apart, and
 hashes what it was given: the file must be exactly the records' lines, whatever the chunking.
@@ -7,6 +8,7 @@ hashes what it was given: the file must be exactly the records' lines, whatever 
 from __future__ import annotations
 
 import hashlib
+import io
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 import gymckpt.store.records as records_module
 from gymckpt.store.backend import BlobSink
 from gymckpt.store.codec import encode_record
-from gymckpt.store.records import write_records
+from gymckpt.store.records import RecordsCheck, read_records, write_records
 from gymckpt.testing.values import sample_records
 
 
@@ -124,3 +126,44 @@ def test_chunks_grow_with_the_file_from_a_small_first_one() -> None:
     assert len(sink.sizes) > 8
     # every buffer the write may keep, each as large as its largest chunk: still less than the file
     assert records_module._BUFFERS * max(sink.sizes) < summary.size
+
+
+MIB = 1 << 20
+
+
+class CountingStream(io.BytesIO):
+    """A records file in memory that notes how much each read asked for."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.asked: list[int] = []
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.asked.append(-1 if size is None else size)
+        return super().read(size)
+
+
+def test_reads_ask_for_no_more_than_the_read_chunk_whatever_the_chunk_size() -> None:
+    """The read-ahead queue is always full (decoding is the slower side): its chunks are what a
+    restore holds beyond its records, so they stay small even where writes use large ones."""
+    records = _records(3_000, payload=1_000)
+    sink = ChunkSink()
+    summary = write_records(sink, records)
+    digest, lines = _expected(records)
+    data = b"".join(lines)
+    assert len(data) > 2 * MIB
+    stream = CountingStream(data)
+    check = RecordsCheck(
+        path="d/records.jsonl",
+        participant="agent/a0",
+        manifest_path="d/manifest.json",
+        sha256=digest,
+        size=summary.size,
+        count=summary.count,
+        episode_ids=tuple(sorted(summary.episode_ids)),
+    )
+    read = list(read_records(stream, check, chunk_size=16 << 20))
+    assert [encode_record(record)[1] for record in read] == lines
+    # a mebibyte a read at most (the queue ahead of the decoder holds a few), however large chunk_size is
+    assert max(stream.asked) <= MIB
+    assert len(stream.asked) >= len(data) // MIB
