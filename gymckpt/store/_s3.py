@@ -374,7 +374,13 @@ class S3Backend(FsspecBackend):
 
 
 class _MultipartSink(BlobSink):
-    """A records file streamed to a temporary S3 object, copied to its digest name on publish."""
+    """A records file streamed to a temporary S3 object, copied to its digest name on publish.
+
+    It keeps the chunks it is given (:attr:`~gymckpt.store.backend.BlobSink.keeps_chunks`): a
+    file that fits one PUT is sent from them as they are, never gathered into one more buffer.
+    """
+
+    keeps_chunks = True
 
     def __init__(self, backend: S3Backend, directory: str) -> None:
         self._backend = backend
@@ -382,7 +388,9 @@ class _MultipartSink(BlobSink):
         self._directory = safe_relative_path(directory)
         self.temp_path = temporary_path(self._directory)
         self._bucket, self._key = backend.bucket_key(self.temp_path)
-        self._buffer = bytearray()
+        #: written, not yet sent: the chunks as given (a part is cut from the front of them)
+        self._pieces: deque[memoryview] = deque()
+        self._pending = 0
         self._upload_id: str | None = None
         self._submitted = 0
         self._parts: list[dict[str, Any]] = []
@@ -394,15 +402,31 @@ class _MultipartSink(BlobSink):
 
     def write(self, chunk: bytes | memoryview) -> None:
         assert self._state == "writing", f"write after {self._state}"
-        self._buffer += chunk
-        self._size += len(chunk)
-        if self._upload_id is None and len(self._buffer) <= self._backend.single_put_bytes:
+        piece = memoryview(chunk).cast("B")
+        if not piece.nbytes:
+            return
+        self._pieces.append(piece)
+        self._pending += piece.nbytes
+        self._size += piece.nbytes
+        if self._upload_id is None and self._pending <= self._backend.single_put_bytes:
             return  # may still fit one PUT under the digest name
         block = self._backend.block_size
-        while len(self._buffer) >= block:
-            part = bytes(memoryview(self._buffer)[:block])
-            del self._buffer[:block]
-            self._send(part)
+        while self._pending >= block:
+            self._send(self._take(block))
+
+    def _take(self, size: int) -> bytes:
+        """The first ``size`` bytes not sent yet, as one part (the pieces they came from are let go)."""
+        taken: list[memoryview] = []
+        wanted = size
+        while wanted:
+            piece = self._pieces.popleft()
+            if piece.nbytes > wanted:
+                self._pieces.appendleft(piece[wanted:])
+                piece = piece[:wanted]
+            taken.append(piece)
+            wanted -= piece.nbytes
+        self._pending -= size
+        return b"".join(taken)
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
@@ -425,10 +449,15 @@ class _MultipartSink(BlobSink):
         while len(self._inflight) > self._backend.upload_concurrency:
             self._settle_oldest()
 
-    def _body(self, data: bytes | bytearray) -> BufferBody:
-        """``data`` as a request body read in place; each call of the client reads it from its start."""
+    def _body(self, data: bytes | list[memoryview]) -> BufferBody:
+        """``data`` (a part, or the chunks in order) as a request body read in place; each call of the
+        client reads it from its start."""
         rewind_bodies(self._fs.s3)
         return BufferBody(data)
+
+    def _drop_pieces(self) -> None:
+        self._pieces.clear()
+        self._pending = 0
 
     def _settle_oldest(self) -> None:
         number, future = self._inflight.popleft()
@@ -442,8 +471,8 @@ class _MultipartSink(BlobSink):
             # small enough for one PUT: publish() writes it under its final name in one atomic request
             self._state = "finished"
             return
-        if self._buffer:
-            self._send(bytes(self._buffer))
+        if self._pending:
+            self._send(self._take(self._pending))
         while self._inflight:
             self._settle_oldest()
         self._object_may_exist = True
@@ -464,7 +493,6 @@ class _MultipartSink(BlobSink):
         self._upload_id = None
         if self._stray_uploads_possible:
             self._abort_stray_uploads()
-        self._buffer = bytearray()
         self._state = "finished"
 
     def _lands_whole(self, path: str) -> bool:
@@ -481,8 +509,8 @@ class _MultipartSink(BlobSink):
         try:
             if not self._object_may_exist:  # a single part, still in memory: one PUT, all or nothing
                 with self._backend.storage_errors(target, "write", writing=True):
-                    # one put_object of at most single_put_bytes, read from the buffer in place
-                    self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=self._body(self._buffer))
+                    # one put_object of at most single_put_bytes, read from the chunks in place
+                    self._fs.call_s3("put_object", Bucket=bucket, Key=key, Body=self._body(list(self._pieces)))
                     self._fs.invalidate_cache(self._backend.full_path(target))
             else:
                 with self._backend.storage_errors(target, "copy into place", writing=True):
@@ -497,7 +525,7 @@ class _MultipartSink(BlobSink):
             # content, and a PUT or copy lands whole, so an object of our size there is ours
             if not self._lands_whole(target):
                 raise
-        self._buffer = bytearray()
+        self._drop_pieces()
         self._state = "published"
         if not self._object_may_exist:
             return
@@ -510,7 +538,7 @@ class _MultipartSink(BlobSink):
         if self._state in {"published", "aborted"}:
             return
         self._state = "aborted"
-        self._buffer = bytearray()
+        self._drop_pieces()
         while self._inflight:  # let parts in flight land, or an abort can leave them stored
             _, future = self._inflight.popleft()
             try:

@@ -1,7 +1,8 @@
 """The bodies of the S3 backend's requests: a GET read as a stream, a PUT sent from a buffer in place.
 
 :class:`ObjectReader` reads one streamed GET in the sizes its caller asks for.
-:class:`BufferBody` is the body of a PUT or an uploaded part: botocore and aiohttp read it in
+:class:`BufferBody` is the body of a PUT or an uploaded part (one buffer, or the chunks a
+records file was written in, back to back): botocore and aiohttp read it in
 pieces (its length, the payload's checksums, the send itself) and seek back to its start for
 a retry, so the request never holds a second copy of the buffer. Given ``bytes``, aiohttp
 would hand the whole body to the socket's transport, which keeps whatever the kernel did not
@@ -14,27 +15,36 @@ would send, and checksum, what is left after the first attempt: nothing).
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from fsspec.asyn import sync
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from gymckpt.store._s3 import S3Backend
 
 __all__ = ["BufferBody", "ObjectReader", "rewind_bodies"]
 
 
 class BufferBody(io.RawIOBase):
-    """A seekable stream over ``buffer`` (not copied; the buffer must not change while it is read)."""
+    """A seekable stream over ``buffer``, or over a sequence of buffers one after another (none
+    copied; they must not change while they are read)."""
 
-    def __init__(self, buffer: bytes | bytearray | memoryview) -> None:
+    def __init__(self, buffer: bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]) -> None:
         super().__init__()
-        self._view = memoryview(buffer)
+        buffers = [buffer] if isinstance(buffer, (bytes, bytearray, memoryview)) else list(buffer)
+        self._pieces = [memoryview(piece).cast("B") for piece in buffers if len(piece)]
+        #: where each piece starts in the body
+        self._starts = list(itertools.accumulate((len(piece) for piece in self._pieces[:-1]), initial=0))
+        self._length = sum(len(piece) for piece in self._pieces)
         self._position = 0
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._length
 
     def readable(self) -> bool:
         return True
@@ -51,7 +61,7 @@ class BufferBody(io.RawIOBase):
         elif whence == io.SEEK_CUR:
             position = self._position + offset
         elif whence == io.SEEK_END:
-            position = len(self._view) + offset
+            position = self._length + offset
         else:
             raise ValueError(f"invalid whence {whence}")
         if position < 0:
@@ -60,10 +70,15 @@ class BufferBody(io.RawIOBase):
         return position
 
     def readinto(self, target: Any) -> int:
-        piece = self._view[self._position : self._position + len(target)]
-        target[: len(piece)] = piece
-        self._position += len(piece)
-        return len(piece)
+        wanted, given = len(target), 0
+        while given < wanted and self._position < self._length:
+            index = bisect.bisect_right(self._starts, self._position) - 1
+            offset = self._position - self._starts[index]
+            piece = self._pieces[index][offset : offset + wanted - given]
+            target[given : given + len(piece)] = piece
+            given += len(piece)
+            self._position += len(piece)
+        return given
 
 
 def _rewind(params: dict[str, Any], **_: Any) -> None:

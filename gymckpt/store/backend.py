@@ -72,12 +72,17 @@ def read_limited(backend: StorageBackend, path: str, limit: int) -> bytes:
 class BlobSink(ABC):
     """A file being written to a temporary place; it becomes visible only by :meth:`publish`."""
 
+    #: True for a sink that keeps the chunks it is given (a reference, not a copy): the records
+    #: writer then fills a new buffer for each chunk instead of the same few again
+    keeps_chunks: bool = False
+
     @abstractmethod
     def write(self, chunk: bytes | memoryview) -> None:
         """Append ``chunk``; may run on a worker thread, never concurrently with itself.
 
-        ``chunk`` is valid only during the call: the records writer fills the same buffer again
-        once ``write`` returns, so a sink copies whatever it keeps of it (bytes, a buffer's ``+=``).
+        Unless the sink :attr:`keeps_chunks`, ``chunk`` is valid only during the call: the
+        records writer fills the same buffer again once ``write`` returns, so such a sink copies
+        whatever it keeps of it (bytes, a buffer's ``+=``).
         """
 
     @abstractmethod

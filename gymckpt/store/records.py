@@ -134,7 +134,8 @@ class RecordsSummary:
 
 
 class _ChunkWriter(threading.Thread):
-    """Hashes and writes chunks handed over by the encoding thread, then hands their buffers back."""
+    """Hashes and writes chunks handed over by the encoding thread, then hands their buffers back
+    (a new empty one instead, to a sink that :attr:`~gymckpt.store.backend.BlobSink.keeps_chunks`)."""
 
     def __init__(self, sink: BlobSink) -> None:
         super().__init__(name="gymckpt-records-writer", daemon=True)
@@ -154,9 +155,15 @@ class _ChunkWriter(threading.Thread):
             buffer, length = handed  # type: ignore[misc]
             if self.error is None:  # else keep draining so the producer never waits on a dead writer
                 try:
-                    with memoryview(buffer) as whole, whole[:length] as chunk:
+                    if self.sink.keeps_chunks:  # the sink holds on to the chunk: its buffer is never filled again
+                        chunk = memoryview(buffer)[:length]
                         self.hasher.update(chunk)
                         self.sink.write(chunk)
+                        buffer = bytearray()
+                    else:
+                        with memoryview(buffer) as whole, whole[:length] as chunk:
+                            self.hasher.update(chunk)
+                            self.sink.write(chunk)
                     self.size += length
                 except BaseException as exc:
                     self.error = exc

@@ -131,6 +131,33 @@ def test_chunks_grow_with_the_file_from_a_small_first_one() -> None:
 MIB = 1 << 20
 
 
+class KeepingSink(ChunkSink):
+    """A sink that keeps the chunks it is given, as the S3 backend's does for a file sent in one PUT."""
+
+    keeps_chunks = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[memoryview] = []
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        super().write(chunk)
+        self.kept.append(memoryview(chunk))
+
+
+def test_a_sink_that_keeps_its_chunks_gets_each_in_a_buffer_never_filled_again() -> None:
+    records = _records(3_000, payload=1_000)
+    sink = KeepingSink()
+    summary = write_records(sink, records)
+    digest, lines = _expected(records)
+    assert summary.sha256 == digest == sink.hasher.hexdigest()
+    assert len(sink.kept) > records_module._BUFFERS  # more chunks than a write's buffers: none was reused
+    assert len({id(buffer) for buffer in sink.buffers}) == len(sink.kept)
+    # what the sink holds after the write is still exactly the file, chunk by chunk
+    assert [bytes(view[:16]) for view in sink.kept] == sink.copies
+    assert b"".join(sink.kept) == b"".join(lines)
+
+
 class CountingStream(io.BytesIO):
     """A records file in memory that notes how much each read asked for."""
 

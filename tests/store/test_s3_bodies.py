@@ -38,3 +38,29 @@ def test_a_negative_seek_or_an_unknown_whence_is_refused() -> None:
     with pytest.raises(ValueError, match="whence"):
         body.seek(0, 7)
     assert body.tell() == 0
+
+
+def test_a_body_over_several_buffers_reads_them_back_to_back_across_their_edges() -> None:
+    """The chunks a records file was written in, sent as one PUT without being gathered first."""
+    pieces = [b"abc", bytearray(b""), memoryview(b"defgh"), bytearray(b"i"), b"jklmnopq"]
+    data = b"abcdefghijklmnopq"
+    body = BufferBody(pieces)
+    assert len(body) == len(data)
+    for size in (1, 2, 3, 4, 7, 100):
+        body.seek(0)
+        read = []
+        while piece := body.read(size):
+            read.append(piece)
+        assert b"".join(read) == data, size
+        assert [len(piece) for piece in read[:-1]] == [size] * (len(read) - 1)
+    for start in range(len(data) + 1):
+        assert body.seek(start) == start and body.read(5) == data[start : start + 5]
+    assert body.seek(-4, io.SEEK_END) == len(data) - 4 and body.read() == b"nopq"
+    pieces[3][0:1] = b"I"  # read in place: a piece changed (same length) is what is sent
+    assert body.seek(0) == 0 and body.read() == b"abcdefghIjklmnopq"
+
+
+def test_a_body_over_no_buffers_or_empty_ones_is_empty() -> None:
+    for pieces in ([], [b"", bytearray()]):
+        body = BufferBody(pieces)
+        assert len(body) == 0 and body.read(10) == b"" and body.read() == b""
