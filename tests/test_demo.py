@@ -385,6 +385,55 @@ def test_held_model_calls_are_the_completed_ones_and_what_the_model_records_kept
     assert held == {"a-0:0", "a-0:1", "d-0:2"}
 
 
+def test_read_stages_counts_where_the_exported_rollouts_stood(tmp_path: Path) -> None:
+    from gymckpt.demo.measure import read_stages
+    from gymckpt.store import open_store
+
+    tool = {"role": "tool", "content": "1"}
+    store = open_store(str(tmp_path))
+    environment = store.write_participant(
+        "ck",
+        kind="environment",
+        instance="environment-0",
+        checkpoint_id="ck",
+        records=[
+            {"episode_id": "a-0", "boundary": {"stage": "invoke_agent"}},
+            {"episode_id": "b-0", "boundary": {"stage": "invoke_agent"}},
+            {"episode_id": "c-0", "boundary": {"stage": "verify"}},
+            {"episode_id": "d-0", "boundary": {"stage": "invoke_agent"}},  # not exported
+        ],
+    )
+    agent = store.write_participant(
+        "ck",
+        kind="agent",
+        instance="agent-0",
+        checkpoint_id="ck",
+        records=[
+            {"episode_id": "a-0", "boundary": {"messages": [{"role": "user"}, tool, tool]}},
+            {"episode_id": "b-0", "boundary": {"messages": [{"role": "user"}]}},
+        ],
+    )
+    store.publish("ck", [environment, agent])
+    said: list[str] = []
+    stages = asyncio.run(read_stages(str(tmp_path / "ck"), {}, ["a-0", "b-0", "c-0"], said.append))
+    assert stages == {"agent turn 3": 1, "agent turn 1": 1, "verifying": 1}
+    assert said == []
+
+
+def test_read_stages_says_in_one_line_when_it_cannot_read_them(tmp_path: Path) -> None:
+    """Only a figure of the demo's table: a checkpoint it cannot read is said, never silently zero."""
+    from gymckpt.demo.measure import read_stages
+
+    said: list[str] = []
+    stages = asyncio.run(read_stages(str(tmp_path / "missing"), {}, ["a-0"], said.append))
+    assert stages == {}
+    assert len(said) == 1
+    assert said[0].startswith("where the exported rollouts stood could not be read")
+    assert "Error" in said[0]
+    assert asyncio.run(read_stages(str(tmp_path / "missing"), {}, [], said.append)) == {}
+    assert len(said) == 1  # nothing exported: nothing to read, nothing said
+
+
 def test_a_failed_uninterrupted_run_prints_one_line_naming_the_failure_not_a_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -37,7 +37,7 @@ from rich.markup import escape
 
 from gymckpt.control.coordination import runs_to_await
 from gymckpt.demo.launch import TurnTrigger, launch_rollouts, past_first_turn
-from gymckpt.demo.measure import generation_tokens, held_model_calls, redone_model_calls, stages_at_checkpoint
+from gymckpt.demo.measure import generation_tokens, held_model_calls, read_stages, redone_model_calls
 from gymckpt.demo.report import (
     EXIT_DIFFERS,
     EXIT_OK,
@@ -491,7 +491,7 @@ class _Demo:
             f"{_n(len(done.scope), 'rollout')}: {_n(outcome.records_written, 'record')}, {outcome.bytes_written:,} bytes "
             f"({parts}); gym/checkpoint.json published"
         )
-        outcome.stages = await self._stages(exported)
+        outcome.stages = await read_stages(self.outcome.checkpoint_dir, self.storage_options, exported, self.progress)
         outcome.exported_past_first_turn = past_first_turn(outcome.stages)
         if outcome.stages:
             self.progress(f"where the exported {_n(len(exported), 'rollout')} stood: {stage_summary(outcome.stages)}")
@@ -734,17 +734,6 @@ class _Demo:
             )
         except Exception as exc:
             raise _Failed(f"reading the checkpoint's model records failed: {exc}") from exc
-
-    async def _stages(self, exported: list[str]) -> dict[str, int]:
-        """Where each exported rollout stood, from its environment and agent records (best effort)."""
-        if not exported:
-            return {}
-        try:
-            return await asyncio.to_thread(
-                stages_at_checkpoint, self.outcome.checkpoint_dir, self.storage_options, exported
-            )
-        except Exception:  # only a breakdown for the progress line: never fail the demo on it
-            return {}
 
     async def _close_stack(self, stack: RolloutHarness) -> None:
         if stack in self.harnesses:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -10,9 +11,16 @@ from gymckpt.identity import split_capture_key
 from gymckpt.store import open_store
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
-__all__ = ["GenerationTokens", "generation_tokens", "held_model_calls", "redone_model_calls", "stages_at_checkpoint"]
+__all__ = [
+    "GenerationTokens",
+    "generation_tokens",
+    "held_model_calls",
+    "read_stages",
+    "redone_model_calls",
+    "stages_at_checkpoint",
+]
 
 
 def redone_model_calls(
@@ -143,3 +151,23 @@ def stages_at_checkpoint(checkpoint_dir: str, storage_options: dict[str, Any], e
         store.close()
     environment, agent = records.get("environment", {}), records.get("agent", {})
     return count_stages(stage_label(environment.get(key), agent.get(key)) for key in exported)
+
+
+async def read_stages(
+    checkpoint_dir: str, storage_options: dict[str, Any], exported: list[str], progress: Callable[[str], None]
+) -> dict[str, int]:
+    """:func:`stages_at_checkpoint` off the event loop, for a demo's progress line and table.
+
+    Only a figure: a failure to read them is said in one progress line (the rollouts then count
+    as none past their first turn) and never fails the demo.
+    """
+    if not exported:
+        return {}
+    try:
+        return await asyncio.to_thread(stages_at_checkpoint, checkpoint_dir, storage_options, exported)
+    except Exception as exc:
+        progress(
+            f"where the exported rollouts stood could not be read (counted as none past the first turn): "
+            f"{type(exc).__name__}: {exc}"
+        )
+        return {}

@@ -379,7 +379,7 @@ async def _phases(
 ) -> None:
     from gymckpt.control.coordination import runs_to_await
     from gymckpt.demo.launch import launch_rollouts, past_first_turn
-    from gymckpt.demo.measure import stages_at_checkpoint
+    from gymckpt.demo.measure import read_stages
     from gymckpt.identity import capture_key, split_capture_key
     from gymckpt.stack.harness import task_for
     from gymckpt.stack.ray_recovery import recover
@@ -432,15 +432,8 @@ async def _phases(
     outcome.records_bytes = {
         f"{reply.kind}/{reply.instance}": reply.records_bytes or 0 for reply in cut.commits.values()
     }
-    if exported:
-        try:
-            stages = await asyncio.to_thread(stages_at_checkpoint, outcome.checkpoint_dir, storage_options, exported)
-        except Exception as exc:  # only a figure of the table: said, never the demo's failure
-            progress(
-                f"where the exported rollouts stood could not be read (counted as none past the first turn): {exc}"
-            )
-        else:
-            outcome.exported_past_first_turn = past_first_turn(stages)
+    stages = await read_stages(outcome.checkpoint_dir, storage_options, exported, progress)
+    outcome.exported_past_first_turn = past_first_turn(stages)
     progress(
         f"checkpoint with {len(in_flight)} rollouts in flight: prepare {cut.prepare_seconds:.3f} s, "
         f"commit {cut.commit_seconds:.3f} s, {len(exported)} exported ({outcome.exported_past_first_turn} past "
