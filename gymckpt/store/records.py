@@ -83,8 +83,8 @@ _LARGE_BUFFERS = 2
 _FIRST_CHUNK = 256 << 10
 _CHUNK_GROWTH = 8
 #: the largest chunk a read hands on: decoding is the slower side, so the read-ahead queue stays
-#: full, and its chunks are what a restore holds beyond its records (at 4 MiB, about 9 MiB of a
-#: 36 MB file's read; at 512 KiB about 2 MiB, read as fast: ``make bench``'s restore figures)
+#: full, and its chunks are what a restore holds beyond its records (reading a 36 MB file: about
+#: 9 MiB at 4 MiB chunks, 3 MiB at 1 MiB ones, as fast: ``make bench``'s restore figures)
 _READ_CHUNK = 1 << 20
 _END = object()
 
