@@ -140,6 +140,8 @@ class _ChunkWriter(threading.Thread):
     def __init__(self, sink: BlobSink) -> None:
         super().__init__(name="gymckpt-records-writer", daemon=True)
         self.sink = sink
+        #: a sink of another shape than BlobSink (a wrapper) keeps nothing unless it says so
+        self.keeps_chunks = bool(getattr(sink, "keeps_chunks", False))
         self.hasher = hashlib.sha256()
         self.size = 0
         self.error: BaseException | None = None
@@ -155,7 +157,7 @@ class _ChunkWriter(threading.Thread):
             buffer, length = handed  # type: ignore[misc]
             if self.error is None:  # else keep draining so the producer never waits on a dead writer
                 try:
-                    if self.sink.keeps_chunks:  # the sink holds on to the chunk: its buffer is never filled again
+                    if self.keeps_chunks:  # the sink holds on to the chunk: its buffer is never filled again
                         chunk = memoryview(buffer)[:length]
                         self.hasher.update(chunk)
                         self.sink.write(chunk)

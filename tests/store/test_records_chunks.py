@@ -158,6 +158,28 @@ def test_a_sink_that_keeps_its_chunks_gets_each_in_a_buffer_never_filled_again()
     assert b"".join(sink.kept) == b"".join(lines)
 
 
+class WrappingSink:
+    """A sink of its own shape, not a BlobSink (as a test's or a user's wrapper may be): it copies."""
+
+    def __init__(self) -> None:
+        self.inner = ChunkSink()
+        self.data = bytearray()
+
+    def write(self, chunk: bytes | memoryview) -> None:
+        self.inner.write(chunk)
+        self.data += chunk
+
+
+def test_a_sink_that_is_no_blob_sink_gets_the_reused_buffers_and_the_whole_file() -> None:
+    records = _records(3_000, payload=1_000)
+    sink = WrappingSink()
+    summary = write_records(sink, records)  # type: ignore[arg-type]
+    digest, lines = _expected(records)
+    assert summary.sha256 == digest == sink.inner.hasher.hexdigest()
+    assert bytes(sink.data) == b"".join(lines)
+    assert len({id(buffer) for buffer in sink.inner.buffers}) <= records_module._BUFFERS
+
+
 class CountingStream(io.BytesIO):
     """A records file in memory that notes how much each read asked for."""
 
