@@ -376,8 +376,9 @@ class S3Backend(FsspecBackend):
 class _MultipartSink(BlobSink):
     """A records file streamed to a temporary S3 object, copied to its digest name on publish.
 
-    It keeps the chunks it is given (:attr:`~gymckpt.store.backend.BlobSink.keeps_chunks`): a
-    file that fits one PUT is sent from them as they are, never gathered into one more buffer.
+    It keeps the chunks the records writer hands over (:attr:`~gymckpt.store.backend.BlobSink.keeps_chunks`,
+    :meth:`adopt`): a file that fits one PUT is sent from them as they are, never gathered into
+    one more buffer. What :meth:`write` is given, it copies.
     """
 
     keeps_chunks = True
@@ -401,8 +402,11 @@ class _MultipartSink(BlobSink):
         self._state = "writing"
 
     def write(self, chunk: bytes | memoryview) -> None:
+        self.adopt(memoryview(bytes(chunk)))  # the caller may change its buffer once this returns
+
+    def adopt(self, chunk: memoryview) -> None:
         assert self._state == "writing", f"write after {self._state}"
-        piece = memoryview(chunk).cast("B")
+        piece = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
         if not piece.nbytes:
             return
         self._pieces.append(piece)

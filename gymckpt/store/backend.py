@@ -72,18 +72,23 @@ def read_limited(backend: StorageBackend, path: str, limit: int) -> bytes:
 class BlobSink(ABC):
     """A file being written to a temporary place; it becomes visible only by :meth:`publish`."""
 
-    #: True for a sink that keeps the chunks it is given (a reference, not a copy): the records
-    #: writer then fills a new buffer for each chunk instead of the same few again
+    #: True for a sink that would rather keep the chunks it is given than copy them: the records
+    #: writer then fills a new buffer for each chunk and hands it over with :meth:`adopt`
     keeps_chunks: bool = False
 
     @abstractmethod
     def write(self, chunk: bytes | memoryview) -> None:
         """Append ``chunk``; may run on a worker thread, never concurrently with itself.
 
-        Unless the sink :attr:`keeps_chunks`, ``chunk`` is valid only during the call: the
-        records writer fills the same buffer again once ``write`` returns, so such a sink copies
-        whatever it keeps of it (bytes, a buffer's ``+=``).
+        ``chunk`` is valid only during the call: the records writer fills the same buffer again
+        once ``write`` returns, so a sink copies whatever it keeps of it (bytes, a buffer's ``+=``).
         """
+
+    def adopt(self, chunk: memoryview) -> None:
+        """Append ``chunk``, whose buffer the caller hands over and never changes again: a sink that
+        :attr:`keeps_chunks` keeps it as it is. Only ever called for such a sink; by default
+        :meth:`write` (so a wrapper that forwards only ``write`` stays correct)."""
+        self.write(chunk)
 
     @abstractmethod
     def finish(self) -> None:

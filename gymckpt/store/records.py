@@ -135,7 +135,8 @@ class RecordsSummary:
 
 class _ChunkWriter(threading.Thread):
     """Hashes and writes chunks handed over by the encoding thread, then hands their buffers back
-    (a new empty one instead, to a sink that :attr:`~gymckpt.store.backend.BlobSink.keeps_chunks`)."""
+    (to a sink that :attr:`~gymckpt.store.backend.BlobSink.keeps_chunks`: adopts each chunk, and
+    a new empty buffer comes back instead)."""
 
     def __init__(self, sink: BlobSink) -> None:
         super().__init__(name="gymckpt-records-writer", daemon=True)
@@ -160,7 +161,7 @@ class _ChunkWriter(threading.Thread):
                     if self.keeps_chunks:  # the sink holds on to the chunk: its buffer is never filled again
                         chunk = memoryview(buffer)[:length]
                         self.hasher.update(chunk)
-                        self.sink.write(chunk)
+                        self.sink.adopt(chunk)
                         buffer = bytearray()
                     else:
                         with memoryview(buffer) as whole, whole[:length] as chunk:

@@ -128,6 +128,24 @@ def test_a_file_up_to_single_put_bytes_is_one_put_under_its_digest_name(
     backend.close()
 
 
+def test_what_write_is_given_is_copied_and_only_an_adopted_chunk_is_kept(s3: Any, s3_backend: FsspecBackend) -> None:
+    """A wrapper that forwards only ``write`` may fill its buffer again at once: the one PUT must
+    still send what was written then. A chunk handed over with ``adopt`` is kept as it is."""
+    sink = s3_backend.open_sink("ck/gym/agent/a")
+    assert sink.keeps_chunks
+    reused = bytearray(b"first line\n")
+    sink.write(memoryview(reused))
+    reused[:] = b"overwrite!\n"  # same length: a kept view would now read this
+    sink.write(memoryview(reused))
+    adopted = bytearray(b"adopted\n")
+    sink.adopt(memoryview(adopted))
+    sink.finish()
+    data = b"first line\noverwrite!\nadopted\n"
+    digest = hashlib.sha256(data).hexdigest()
+    sink.publish(f"records-{digest}.jsonl")
+    assert s3_backend.read_bytes(f"ck/gym/agent/a/records-{digest}.jsonl") == data
+
+
 @pytest.mark.parametrize("how", ["producer_fails", "write_stopped", "not_json"])
 def test_a_failed_multipart_write_aborts_its_upload(
     s3: Any, s3_url: str, moto_endpoint: MotoEndpoint, how: str
