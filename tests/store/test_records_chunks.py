@@ -16,8 +16,9 @@ import pytest
 import gymckpt.store.records as records_module
 from gymckpt.store.backend import BlobSink
 from gymckpt.store.codec import encode_record
-from gymckpt.store.records import RecordsCheck, read_records, write_records
+from gymckpt.store.records import read_records, write_records
 from gymckpt.testing.values import sample_records
+from tests.store.test_records import check_for
 
 
 class ChunkSink(BlobSink):
@@ -202,16 +203,8 @@ def test_reads_ask_for_no_more_than_the_read_chunk_whatever_the_chunk_size() -> 
     data = b"".join(lines)
     assert len(data) > 2 * MIB
     stream = CountingStream(data)
-    check = RecordsCheck(
-        path="d/records.jsonl",
-        participant="agent/a0",
-        manifest_path="d/manifest.json",
-        sha256=digest,
-        size=summary.size,
-        count=summary.count,
-        episode_ids=tuple(sorted(summary.episode_ids)),
-    )
-    read = list(read_records(stream, check, chunk_size=16 << 20))
+    assert summary.sha256 == digest
+    read = list(read_records(stream, check_for(summary), chunk_size=16 << 20))
     assert [encode_record(record)[1] for record in read] == lines
     # a mebibyte a read at most (the queue ahead of the decoder holds a few), however large chunk_size is
     assert max(stream.asked) <= MIB
