@@ -5,12 +5,14 @@
     python -m benchmarks.bench_ray                      # 2,000 rollouts
     python -m benchmarks.bench_ray --rollouts 500 --json out.json
     python -m benchmarks.bench_ray --checkpoint-turn 2    # issue 27's scenario (a), checkpointed by turn
+    python -m benchmarks.bench_ray --scenario b           # issue 27's scenario (b): 1,000 sessions x 350 KB
 
 Both runs take the same tasks, the same stack (:func:`~gymckpt.stack.harness.default_stack_spec`,
 one uvicorn worker per server, the realistic state of issue 27 unless ``--state compact``), the
 same inference token delay, a checkpoint to ``s3://`` on moto's server (a child process) once
-half the rollouts have finished (or, with ``--checkpoint-turn``, once half of them are in flight
-at that turn), and every result compared with an uninterrupted run:
+half the rollouts have finished (or, with ``--checkpoint-turn``, once ``--checkpoint-share`` of
+them are in flight at that turn, by default 0.92 of those that fit inside the agent at once, as
+bench_scale's (a); the connection pools are sized as bench_scale sizes them), and every result compared with an uninterrupted run:
 
 - **three Ray nodes** (:func:`gymckpt.demo.ray_demo.run_ray_demo`): a head and two worker
   raylets on this machine, the environment and agent on ``node1``; ``node1`` is SIGKILLed,
@@ -22,7 +24,12 @@ at that turn), and every result compared with an uninterrupted run:
   processes answering, plus the restore.
 
 Printed: prepare, commit, restore and recovery seconds, and the rollouts finished before the
-loss, exported, lost and different, of each. The machine's cores are shared by the three Ray nodes (Ray's CPU
+loss, exported, lost and different, of each.
+
+``--scenario b`` runs bench_scale's scenario (b) instead, both ways: the sandbox server of
+1,000 sessions of 350 KB on this machine, SIGKILLed and restarted on its socket
+(:func:`~benchmarks.scale_sessions.run_sessions_scenario`), and placed on a Ray node that is
+then lost (:func:`~benchmarks.ray_sessions.run_ray_sessions`); the table is bench_scale's. The machine's cores are shared by the three Ray nodes (Ray's CPU
 accounting only) and by whatever else runs: figures are noisy. Needs what ``gymckpt demo
 --ray`` needs (root, ``ip``, ``unshare``, ``pip install -e '.[ray,demo-s3]'``). Exit status 1
 when a run fails, loses a rollout or a result differs.
@@ -34,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -42,12 +50,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.bench_scale import CHECKPOINT_SHARE, ConnectionPools, connection_pools
 from benchmarks.machine import non_negative, positive
+from benchmarks.ray_sessions import run_ray_sessions
 from benchmarks.scale_demo import BUCKET, ChildMoto
+from benchmarks.scale_report import render_sessions
+from benchmarks.scale_sessions import SessionsRun, run_sessions_scenario
 from gymckpt import __version__ as gymckpt_version
 from gymckpt.demo import run_demo
 from gymckpt.demo.launch import TurnTrigger
 from gymckpt.demo.ray_demo import RayDemoUnavailable, run_ray_demo
+from gymckpt.servers.sandbox import DEFAULT_SESSION_BYTES
 from gymckpt.stack.harness import StateSizes
 from gymckpt.transport import raise_descriptor_limit
 
@@ -90,6 +103,7 @@ def _ray_side(args: argparse.Namespace, console: Console) -> Side:
             checkpoint_after=args.checkpoint_after,
             sizes=_sizes(args),
             checkpoint_turn=_trigger(args),
+            pool_limits=_pool_limits(args),
         )
     except RayDemoUnavailable as exc:
         return Side("three Ray nodes", error=str(exc))
@@ -130,7 +144,7 @@ def _one_machine_side(args: argparse.Namespace, console: Console, root: Path) ->
                 logs_dir=root,
                 workers=1,
                 restore_workers=1,
-                stack_options={"token_delay_seconds": args.token_delay},
+                stack_options={"token_delay_seconds": args.token_delay, **_pool_limits(args)},
                 checkpoint_after=args.checkpoint_after,
                 sizes=_sizes(args),
                 checkpoint_turn=_trigger(args),
@@ -163,7 +177,21 @@ def _sizes(args: argparse.Namespace) -> StateSizes:
 
 
 def _trigger(args: argparse.Namespace) -> TurnTrigger | None:
-    return TurnTrigger(turn=args.checkpoint_turn, share=0.5) if args.checkpoint_turn > 0 else None
+    if args.checkpoint_turn <= 0:
+        return None
+    # as bench_scale's (a): a share of the rollouts that fit inside the agent at once, not of all of them
+    share = args.checkpoint_share or CHECKPOINT_SHARE * _pools(args).data / args.rollouts
+    return TurnTrigger(turn=args.checkpoint_turn, share=min(share, 0.95))
+
+
+def _pools(args: argparse.Namespace) -> ConnectionPools:
+    return connection_pools(resource.getrlimit(resource.RLIMIT_NOFILE)[0], args.rollouts)
+
+
+def _pool_limits(args: argparse.Namespace) -> dict[str, int]:
+    """Each Gym server's data pool and its pool to the resources server, sized as bench_scale sizes them."""
+    pools = _pools(args)
+    return {"data_pool_limit": pools.data, "resources_pool_limit": pools.resources}
 
 
 def render(sides: list[Side], out: Console) -> None:
@@ -197,6 +225,12 @@ def render(sides: list[Side], out: Console) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_ray", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--scenario",
+        choices=("a", "b"),
+        default="a",
+        help="a: the demo's rollouts (the options below); b: bench_scale's big sessions (--sessions, --session-bytes)",
+    )
     parser.add_argument("--rollouts", type=positive, default=2_000, help="rollouts of each run (2,000)")
     parser.add_argument("--token-delay", type=float, default=0.03, help="the inference backend's s per token")
     parser.add_argument(
@@ -213,7 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-turn",
         type=non_negative,
         default=0,
-        help="checkpoint once half of all rollouts are in flight at this model call or later (0: by --checkpoint-after)",
+        help="checkpoint once --checkpoint-share of the rollouts are in flight at this model call or later "
+        "(0: by --checkpoint-after)",
+    )
+    parser.add_argument(
+        "--checkpoint-share",
+        type=float,
+        default=0.0,
+        help=f"see --checkpoint-turn (default: {CHECKPOINT_SHARE} of the rollouts that fit inside the agent at once, "
+        "as bench_scale's)",
+    )
+    parser.add_argument("--sessions", type=positive, default=1_000, help="(b) sandbox sessions (1,000)")
+    parser.add_argument(
+        "--session-bytes", type=positive, default=DEFAULT_SESSION_BYTES, help="(b) bytes each session holds (350 KB)"
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="bound of each phase in seconds (1800)")
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -225,11 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     out = Console(width=max(Console().width, 100))
     soft, hard = raise_descriptor_limit()
+    # the harness's /run pool, in this process and the controller
+    os.environ["GYMCKPT_POOL_LIMIT"] = str(_pools(args).trainer)
     console.print(
         f"gymckpt {gymckpt_version} · Python {platform.python_version()} · {os.cpu_count()} CPUs · "
         f"descriptors {soft:,} (hard {hard:,})",
         highlight=False,
     )
+    if args.scenario == "b":
+        return _sessions(args, console, out)
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as root:
         sides = [_one_machine_side(args, console, Path(root)), _ray_side(args, console)]
     render(sides, out)
@@ -238,6 +288,34 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     ok = all(side.ok and side.lost == 0 and side.differing == 0 for side in sides)
     return 0 if ok else 1
+
+
+def _sessions(args: argparse.Namespace, console: Console, out: Console) -> int:
+    """Scenario (b) on this machine and on three Ray nodes, side by side; 0 when both came back whole."""
+    with tempfile.TemporaryDirectory(prefix="bench-ray-b-") as root:
+        columns: dict[str, SessionsRun] = {
+            "one machine": run_sessions_scenario(
+                sessions=args.sessions,
+                session_bytes=args.session_bytes,
+                root=Path(root),
+                console=console,
+                timeout=args.timeout,
+            ),
+            "three Ray nodes": run_ray_sessions(
+                sessions=args.sessions, session_bytes=args.session_bytes, console=console, timeout=args.timeout
+            ),
+        }
+    render_sessions(columns, out)
+    for name, run in columns.items():
+        if not run.ok:
+            out.print(f"[red]{name} failed[/]: {run.error}", highlight=False)
+    if args.json:
+        figures = {
+            "machine": {"gymckpt": gymckpt_version, "cpus": os.cpu_count()},
+            "sessions": {name: asdict(run) for name, run in columns.items()},
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0 if all(run.ok for run in columns.values()) else 1
 
 
 if __name__ == "__main__":

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     share = _others_share(before, cpu_snapshot(), _cpu_seconds(local + s3))
     render_demo_runs(local + s3, out)
     if sessions is not None:
-        render_sessions(sessions, out)
+        render_sessions({"sandbox": sessions}, out)
     ratio = s3_commit_ratio(local, s3)
     render_s3_ratio(ratio, out)
     warn_if_disturbed(out, share, os.cpu_count())

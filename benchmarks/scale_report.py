@@ -15,6 +15,8 @@ from rich.table import Table
 from benchmarks.scale_sampling import REFERENCE_PREFIX, ServerFigures
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
     from benchmarks.scale_demo import ScaleRun
@@ -116,29 +118,40 @@ def render_demo_runs(runs: list[ScaleRun], console: Console) -> None:
     console.print(table)
 
 
-def render_sessions(run: SessionsRun, console: Console) -> None:
-    """Scenario (b)."""
+def render_sessions(columns: dict[str, SessionsRun], console: Console) -> None:
+    """Scenario (b): one column per run (``name → run``), side by side."""
+    runs = list(columns.values())
+    first = runs[0]
+    workers = sorted({run.workers for run in runs})
     table = Table(
-        title=f"bench_scale (b): {run.sessions:,} sandbox sessions × {run.session_bytes:,} bytes, "
-        f"{run.workers} worker{'s' if run.workers > 1 else ''}, through the control plane"
+        title=f"bench_scale (b): {first.sessions:,} sandbox sessions × {first.session_bytes:,} bytes, "
+        f"{'/'.join(map(str, workers))} worker{'s' if workers != [1] else ''}, through the control plane"
     )
     table.add_column("")
-    table.add_column("sandbox", justify="right")
-    rows = [
-        ("result", "[green]ok[/]" if run.ok else f"[red]failed[/]: {run.error[:80]}"),
-        ("lost / differing", f"{run.lost} / {run.differing}"),
-        ("sessions made s", f"{run.create_seconds:.1f}"),
-        ("prepare s", f"{run.prepare_seconds:.3f}"),
-        (f"commit s (≤ {TARGETS['sessions_commit']})", _mark(run.commit_seconds, TARGETS["sessions_commit"])),
-        (f"restore s (≤ {TARGETS['sessions_restore']})", _mark(run.restore_seconds, TARGETS["sessions_restore"])),
-        ("commit s (steps)", _lines(run, "commit")),
-        ("restore s (steps)", _lines(run, "restore")),
-        ("records / bytes", f"{run.records:,} / {run.bytes_written:,}"),
-        ("RSS MiB before → peak, commit", _memory(run.memory.get("commit", {}))),
-        ("RSS MiB before → peak, restore", _memory(run.memory.get("restore", {}))),
+    for name in columns:
+        table.add_column(name, justify="right")
+    rows: list[tuple[str, Callable[[SessionsRun], str]]] = [
+        ("result", lambda run: "[green]ok[/]" if run.ok else f"[red]failed[/]: {run.error[:80]}"),
+        ("lost / differing", lambda run: f"{run.lost} / {run.differing}"),
+        ("sessions made s", lambda run: f"{run.create_seconds:.1f}"),
+        ("prepare s", lambda run: f"{run.prepare_seconds:.3f}"),
+        (
+            f"commit s (≤ {TARGETS['sessions_commit']})",
+            lambda run: _mark(run.commit_seconds, TARGETS["sessions_commit"]),
+        ),
+        ("fresh server answers s (after the crash)", lambda run: f"{run.restart_seconds:.2f}"),
+        (
+            f"restore s (≤ {TARGETS['sessions_restore']})",
+            lambda run: _mark(run.restore_seconds, TARGETS["sessions_restore"]),
+        ),
+        ("commit s (steps)", lambda run: _lines(run, "commit")),
+        ("restore s (steps)", lambda run: _lines(run, "restore")),
+        ("records / bytes", lambda run: f"{run.records:,} / {run.bytes_written:,}"),
+        ("RSS MiB before → peak, commit", lambda run: _memory(run.memory.get("commit", {}))),
+        ("RSS MiB before → peak, restore", lambda run: _memory(run.memory.get("restore", {}))),
     ]
     for label, value in rows:
-        table.add_row(label, value)
+        table.add_row(label, *(value(run) for run in runs))
     console.print(table)
 
 

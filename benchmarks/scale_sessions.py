@@ -14,6 +14,10 @@ group behind a kept socket (:class:`~gymckpt.stack.supervisor.Stack`) and a
 
 Commit and restore are each bracketed by a :class:`~benchmarks.scale_memory.MemoryWindow`:
 the server's RSS before, and its peak during, against the bound issue 27 sets.
+
+:class:`SessionsPhases` runs these phases against any stack that answers ``urls`` and
+``servers``: here a local one; :mod:`benchmarks.ray_sessions` places the same server on a
+Ray node and loses that node instead of SIGKILLing the process.
 """
 
 from __future__ import annotations
@@ -38,11 +42,21 @@ from gymckpt.stack.supervisor import load_stack
 from gymckpt.workers.routing import COOKIE_NAME
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
+    from gymckpt.stack.ray import RayStack
     from gymckpt.stack.supervisor import Stack
 
-__all__ = ["SessionsRun", "expected_digest", "run_sessions_scenario", "session_steps"]
+__all__ = [
+    "SessionsPhases",
+    "SessionsRun",
+    "expected_digest",
+    "run_sessions_scenario",
+    "session_steps",
+    "sessions_spec",
+]
 
 #: the server's name in the stack
 SERVER = "sandbox"
@@ -67,6 +81,10 @@ class SessionsRun:
     prepare_seconds: float = 0.0
     commit_seconds: float = 0.0
     restore_seconds: float = 0.0
+    #: from the crash to a fresh server answering (before the restore)
+    restart_seconds: float = 0.0
+    #: on Ray: the node the server was placed on, first and after the loss
+    nodes: list[str] = field(default_factory=list)
     records: int = 0
     bytes_written: int = 0
     #: the participant's own commit and restore with their steps, from its INFO lines
@@ -92,6 +110,21 @@ def expected_digest(rollout_id: str, index: int, session_bytes: int, files: int 
     return session_digest(state)
 
 
+def sessions_spec(token: str, workdir: Path, *, session_bytes: int, workers: int) -> dict[str, Any]:
+    """The stack of scenario (b): one sandbox server, checkpoints allowed under ``workdir``."""
+    return {
+        "checkpoint": {"enabled": True, "control_auth_token": token, "allowed_roots": [str(workdir)]},
+        "workers": workers,
+        "servers": [
+            {
+                "name": SERVER,
+                "kind": "sandbox",
+                "config": {"session_bytes": session_bytes, "files_per_session": FILES},
+            }
+        ],
+    }
+
+
 def run_sessions_scenario(
     *,
     sessions: int,
@@ -107,20 +140,17 @@ def run_sessions_scenario(
     run = SessionsRun(sessions=sessions, session_bytes=session_bytes, workers=workers)
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-scale-b-{workers}w-", dir=root))
     token = secrets.token_urlsafe(16)
-    spec = {
-        "checkpoint": {"enabled": True, "control_auth_token": token, "allowed_roots": [str(workdir)]},
-        "workers": workers,
-        "servers": [
-            {
-                "name": SERVER,
-                "kind": "sandbox",
-                "config": {"session_bytes": session_bytes, "files_per_session": FILES},
-            }
-        ],
-    }
-    stack = load_stack(spec, workdir=workdir, keep_workdir=True)
+    stack = load_stack(
+        sessions_spec(token, workdir, session_bytes=session_bytes, workers=workers), workdir=workdir, keep_workdir=True
+    )
+
+    def crash() -> str:
+        stack.kill([SERVER])
+        stack.start([SERVER])
+        return "SIGKILL of the sandbox server's process group; a fresh process on the same socket restores"
+
     try:
-        asyncio.run(_Scenario(run, stack, token, workdir, console, timeout).phases())
+        asyncio.run(SessionsPhases(run, stack, token, workdir, console, timeout, start=stack.start, crash=crash).run())
     except Exception as exc:  # a failed phase: one line, the logs kept
         run.error = " ".join(f"{type(exc).__name__}: {exc}".split())
     finally:
@@ -134,25 +164,44 @@ def run_sessions_scenario(
     return run
 
 
-class _Scenario:
+class SessionsPhases:
+    """The phases of scenario (b) against a stack that is local (:class:`~gymckpt.stack.supervisor.Stack`)
+    or placed on Ray (:class:`~gymckpt.stack.ray.RayStack`): ``start`` brings the server up the first
+    time, ``crash`` loses it and brings a fresh one up (blocking calls, run off the event loop; it
+    returns what it did, in one line). The server's URL is read afresh after each."""
+
     def __init__(
-        self, run: SessionsRun, stack: Stack, token: str, workdir: Path, console: Console, timeout: float
+        self,
+        run: SessionsRun,
+        stack: Stack | RayStack,
+        token: str,
+        workdir: Path,
+        console: Console,
+        timeout: float,
+        *,
+        start: Callable[[], object],
+        crash: Callable[[], str],
     ) -> None:
-        self.run = run
+        self.figures = run
         self.stack = stack
         self.token = token
         self.directory = str(workdir / "checkpoints" / "sessions-1")
         self.console = console
         self.timeout = timeout
-        self.url = stack.urls[SERVER]
+        self.start = start
+        self.crash = crash
         self.keys = [f"{index}-0" for index in range(run.sessions)]
         #: capture key → the session cookie naming the worker that owns it (one jar would mix every session's)
         self.cookies: dict[str, str] = {}
 
-    async def phases(self) -> None:
-        """The phases of the module notes; the figures go to :attr:`run`."""
-        run = self.run
-        self.stack.start()
+    @property
+    def url(self) -> str:
+        return self.stack.urls[SERVER]
+
+    async def run(self) -> None:
+        """The phases of the module notes; the figures go to the run given."""
+        run = self.figures
+        await asyncio.to_thread(self.start)
         gym = await self._up()
         try:
             async with self._client() as http:
@@ -164,10 +213,10 @@ class _Scenario:
             await self._checkpoint(gym)
         finally:
             await gym.close()
-        self.stack.kill([SERVER])
-        self._say("SIGKILL of the sandbox server's process group; a fresh process restores")
-        self.stack.start([SERVER])
+        began = time.perf_counter()
+        self._say(await asyncio.to_thread(self.crash))
         gym = await self._up()
+        run.restart_seconds = time.perf_counter() - began
         try:
             await self._restore(gym)
         finally:
@@ -217,7 +266,7 @@ class _Scenario:
         return gym
 
     async def _checkpoint(self, gym: Coordinator) -> None:
-        run = self.run
+        run = self.figures
         window = MemoryWindow()
         began = time.perf_counter()
         prepared = await gym.prepare("sessions-1", time.time() + self.timeout)
@@ -240,7 +289,7 @@ class _Scenario:
         )
 
     async def _restore(self, gym: Coordinator) -> None:
-        run = self.run
+        run = self.figures
         window = MemoryWindow()
         window.begin(self._pids())
         began = time.perf_counter()
@@ -253,8 +302,10 @@ class _Scenario:
         self._say(f"restore {run.restore_seconds:.3f} s (installed under attempt 1), resumed")
 
     def _pids(self) -> dict[str, int]:
-        process = self.stack.servers[SERVER].process
-        return {SERVER: process.pid} if process is not None else {}
+        """The server's process (its group's leader, on a Ray node of this machine), for the memory windows."""
+        server = self.stack.servers[SERVER]
+        pid = server.process.pid if server.process is not None else getattr(server, "leader_pid", 0)
+        return {SERVER: pid} if pid else {}
 
     async def _each(self, http: aiohttp.ClientSession, keys: list[str], one: Any) -> list[Any]:
         gate = asyncio.Semaphore(CONCURRENCY)

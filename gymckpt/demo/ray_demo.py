@@ -52,7 +52,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from gymckpt.demo.launch import TurnTrigger
-from gymckpt.demo.report import EXIT_DIFFERS, EXIT_OK, EXIT_SETUP, Progress, compare_results, result_of
+from gymckpt.demo.report import (
+    EXIT_DIFFERS,
+    EXIT_OK,
+    EXIT_SETUP,
+    EXIT_TERMINATED,
+    Progress,
+    compare_results,
+    result_of,
+)
 from gymckpt.stack.harness import StateSizes
 
 if TYPE_CHECKING:
@@ -148,6 +156,7 @@ def run_ray_demo(
     checkpoint_after: float = 0.5,
     sizes: StateSizes | None = None,
     checkpoint_turn: TurnTrigger | None = None,
+    pool_limits: dict[str, int] | None = None,
 ) -> RayDemoOutcome:
     """Run the Ray demo (see the module); print progress on ``progress_console`` and the table on ``console``.
 
@@ -156,12 +165,20 @@ def run_ray_demo(
     (:class:`~gymckpt.stack.harness.StateSizes`; default its realistic defaults, as
     :func:`~gymckpt.demo.run_demo`'s; :meth:`StateSizes.compact` for the small stack);
     ``checkpoint_turn``: checkpoint once that share of the rollouts in flight reached that turn
-    (instead of ``checkpoint_after`` of them finished).
+    (instead of ``checkpoint_after`` of them finished). ``pool_limits``: ``data_pool_limit`` and
+    ``resources_pool_limit`` of :func:`~gymckpt.stack.harness.default_stack_spec` (a benchmark at
+    thousands of rollouts sizes them to the descriptors).
     """
     why = unavailable()
     if why is not None:
         raise RayDemoUnavailable(why)
-    from gymckpt.testing.raycluster import RayCluster, RayClusterError, RayClusterUnavailable
+    from gymckpt.testing.raycluster import (
+        RayCluster,
+        RayClusterError,
+        RayClusterUnavailable,
+        Terminated,
+        sigterm_unwinds,
+    )
 
     progress = Progress(progress_console or console)
     outcome = RayDemoOutcome(rollouts=rollouts)
@@ -169,40 +186,44 @@ def run_ray_demo(
     base = Path(tempfile.mkdtemp(prefix="gd-", dir="/tmp"))  # short: Ray's Unix sockets live under it
     cpus = max(1, (os.cpu_count() or 1) // 3)
     cluster = RayCluster(base, workers=2, cpus=cpus)  # its own namespace: Ray's default port is free there
-    try:
-        progress(f"[bold]gymckpt demo --ray[/]: a Ray cluster of three nodes (head, node1, node2; {cpus} CPU each)")
+    with sigterm_unwinds():
         try:
-            cluster.start()
-        except (RayClusterUnavailable, RayClusterError) as exc:
-            outcome.error, outcome.exit_code = " ".join(str(exc).split()), EXIT_SETUP
-            return outcome
-        outcome.nodes = cluster.node_ids()
-        progress(
-            "cluster up in namespace "
-            + cluster.namespace
-            + ": "
-            + ", ".join(f"{name} {node[:8]}" for name, node in outcome.nodes.items())
-        )
-        request = {
-            "address": cluster.address,
-            "base": str(base),
-            "cluster_id": cluster.cluster_id,
-            "node_ids": outcome.nodes,
-            "rollouts": rollouts,
-            "seed": seed,
-            "timeout": timeout,
-            "cpus": cpus,
-            "token_delay_seconds": token_delay_seconds,
-            "checkpoint_after": checkpoint_after,
-            "sizes": asdict(sizes if sizes is not None else StateSizes()),
-            "checkpoint_turn": None if checkpoint_turn is None else asdict(checkpoint_turn),
-        }
-        outcome = _run_controller(cluster, request, base, progress_console or console, timeout) or outcome
-    finally:
-        left = cluster.close()
-        shutil.rmtree(base, ignore_errors=True)
-        if left:
-            progress(f"[red]left behind: {escape(', '.join(left))}[/]")
+            progress(f"[bold]gymckpt demo --ray[/]: a Ray cluster of three nodes (head, node1, node2; {cpus} CPU each)")
+            try:
+                cluster.start()
+            except (RayClusterUnavailable, RayClusterError) as exc:
+                outcome.error, outcome.exit_code = " ".join(str(exc).split()), EXIT_SETUP
+                return outcome
+            outcome.nodes = cluster.node_ids()
+            progress(
+                "cluster up in namespace "
+                + cluster.namespace
+                + ": "
+                + ", ".join(f"{name} {node[:8]}" for name, node in outcome.nodes.items())
+            )
+            request = {
+                "address": cluster.address,
+                "base": str(base),
+                "cluster_id": cluster.cluster_id,
+                "node_ids": outcome.nodes,
+                "rollouts": rollouts,
+                "seed": seed,
+                "timeout": timeout,
+                "cpus": cpus,
+                "token_delay_seconds": token_delay_seconds,
+                "checkpoint_after": checkpoint_after,
+                "sizes": asdict(sizes if sizes is not None else StateSizes()),
+                "checkpoint_turn": None if checkpoint_turn is None else asdict(checkpoint_turn),
+                "pool_limits": dict(pool_limits or {}),
+            }
+            outcome = _run_controller(cluster, request, base, progress_console or console, timeout) or outcome
+        except Terminated:
+            outcome.error, outcome.exit_code = "stopped by SIGTERM; the Ray cluster was taken down", EXIT_TERMINATED
+        finally:
+            left = cluster.close()
+            shutil.rmtree(base, ignore_errors=True)
+            if left:
+                progress(f"[red]left behind: {escape(', '.join(left))}[/]")
     outcome.total_seconds = time.perf_counter() - began
     render(outcome, console)
     return outcome
@@ -308,6 +329,7 @@ async def _controller(request: dict[str, Any], outcome: RayDemoOutcome, progress
             storage_options=options,
             token_delay_seconds=float(request["token_delay_seconds"]),
             sizes=StateSizes(**request["sizes"]),
+            **{name: int(limit) for name, limit in request.get("pool_limits", {}).items()},
         )
         root = f"s3://{BUCKET}/run"
         spec["ray"] = {

@@ -120,6 +120,9 @@ class RayServer:
     dead: bool = False
     #: a harness lists pids of local processes: a server on a Ray node has none here
     process: None = None
+    #: the pid of the server's process group leader (its lifeline) on its node; 0 before a start. Only
+    #: meaningful where that node runs on this machine (a test's or a benchmark's cluster)
+    leader_pid: int = 0
 
     @property
     def label(self) -> str:
@@ -297,8 +300,9 @@ class RayStack:
         for name, server in self.servers.items():
             server.config = configs[name]
             started.append(server.actor.start.remote(server.what(), server.config, server.workers))
-        self._get(started, timeout, "starting its server")
-        for server in self.servers.values():
+        leaders = self._get(started, timeout, "starting its server")
+        for server, pid in zip(self.servers.values(), leaders, strict=True):
+            server.leader_pid = int(pid)
             server.exit_ref = server.actor.wait_exit.remote()
         logger.info("servers started %.2f s after the placement began", time.monotonic() - began)
 

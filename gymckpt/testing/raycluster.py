@@ -38,8 +38,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["NODE_MARKER", "RayCluster", "RayClusterError", "RayClusterUnavailable", "install_hint", "missing"]
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = [
+    "NODE_MARKER",
+    "RayCluster",
+    "RayClusterError",
+    "RayClusterUnavailable",
+    "Terminated",
+    "install_hint",
+    "missing",
+    "sigterm_unwinds",
+]
 
 #: the environment variable every process of a node inherits: ``<cluster id>/<node name>``
 NODE_MARKER = "GYMCKPT_TEST_NODE"
@@ -48,6 +61,36 @@ START_TIMEOUT = 90.0
 STOP_TIMEOUT = 30.0
 #: bytes of each node's object store (Ray's smallest is 75 MiB; its default, 30% of the memory, per node)
 OBJECT_STORE = 80 * 1024 * 1024
+
+
+class Terminated(BaseException):
+    """SIGTERM came while :func:`sigterm_unwinds` was in force (a BaseException: no ``except Exception`` takes it)."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Make the first SIGTERM raise :class:`Terminated` in the main thread meanwhile, and ignore any later
+    one, so the ``finally`` blocks that close a cluster run (as they do for Ctrl-C) and are not cut short.
+    SIGTERM's default ends the process at once: its cluster's processes and network namespace would stay
+    behind. Elsewhere than in the main thread: no change."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal came
+        if not came:
+            came = True
+            raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class RayClusterUnavailable(RuntimeError):

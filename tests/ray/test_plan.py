@@ -168,3 +168,38 @@ def test_stack_up_ray_refuses_a_bad_ray_block_in_one_line_before_joining_a_clust
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {stack_file}: ray.placement: "), done.stderr
+
+
+#: a process owning a "cluster": SIGTERM must reach its teardown, and a second one must not cut that short
+_TERMINATED = """
+import os, signal, sys
+from gymckpt.testing.raycluster import Terminated, sigterm_unwinds
+with sigterm_unwinds():
+    try:
+        print("ready", flush=True)
+        sys.stdin.readline()  # the test sends SIGTERM meanwhile
+        print("not interrupted", flush=True)
+    except Terminated as exc:
+        print(f"terminated: {exc}", flush=True)
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM, during the teardown
+        print("teardown done", flush=True)
+print("default restored:", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+"""
+
+
+def test_sigterm_runs_the_teardown_of_a_cluster_owner_once() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _TERMINATED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdin is not None
+    try:
+        assert process.stdout.readline() == "ready\n"
+        process.send_signal(15)
+        out, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert out.splitlines() == ["terminated: signal 15", "teardown done", "default restored: True"]
+    assert process.returncode == 0
