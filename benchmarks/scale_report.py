@@ -61,6 +61,21 @@ def _memory(windows: dict[str, PhaseMemory]) -> str:
     return "\n".join(f"{name} {memory.describe()}" for name, memory in sorted(windows.items())) or "–"
 
 
+def _restore_against_live(run: ScaleRun) -> str:
+    """Each server's peak during the restore against its RSS just before the checkpoint (the state it held
+    live, moments before the crash): the restored server's own memory, whatever the bound above says."""
+    live, restored = run.memory.get("commit", {}), run.memory.get("restore", {})
+    return (
+        "\n".join(
+            f"{name} {restored[name].peak / MIB:,.0f} of {live[name].rss_before / MIB:,.0f} MiB "
+            f"({restored[name].peak / live[name].rss_before:.0%})"
+            for name in sorted(set(live) & set(restored))
+            if live[name].rss_before
+        )
+        or "–"
+    )
+
+
 def _places(figures: ServerFigures, top: int = 4) -> str:
     if not figures.cpu_places:
         return "–"
@@ -96,6 +111,7 @@ def render_demo_runs(runs: list[ScaleRun], console: Console) -> None:
         ("records / bytes written", lambda r: f"{r.records:,} / {r.bytes_written:,}"),
         ("RSS MiB before → peak, commit", lambda r: _memory(r.memory.get("commit", {}))),
         ("RSS MiB before → peak, restore", lambda r: _memory(r.memory.get("restore", {}))),
+        ("restore peak / the server's RSS before the crash", _restore_against_live),
         ("uninterrupted run s", lambda r: f"{r.uninterrupted_seconds:.1f}"),
         ("whole run s", lambda r: f"{r.total_seconds:.1f}"),
     ]

@@ -1,0 +1,58 @@
+"""bench_scale's tables (benchmarks/scale_report.py): what each memory and side-by-side cell says."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from benchmarks.scale_demo import ScaleRun
+from benchmarks.scale_memory import PhaseMemory
+from benchmarks.scale_report import render_demo_runs, render_sessions
+from benchmarks.scale_sessions import SessionsRun
+
+MIB = 1024 * 1024
+
+
+def _text(render: object, *args: object) -> str:
+    console = Console(record=True, width=250, color_system=None)
+    render(*args, console)  # type: ignore[operator]
+    return console.export_text()
+
+
+def test_a_restore_peak_is_set_against_what_the_server_held_live_before_the_crash() -> None:
+    run = ScaleRun("a", 1, 16_000, ok=True)
+    run.memory = {
+        "commit": {
+            "agent": PhaseMemory(rss_before=600 * MIB, peak=630 * MIB, records_bytes=20 * MIB),
+            "model": PhaseMemory(rss_before=800 * MIB, peak=830 * MIB, records_bytes=30 * MIB),
+        },
+        "restore": {
+            "agent": PhaseMemory(rss_before=60 * MIB, peak=150 * MIB, records_bytes=20 * MIB),
+            "model": PhaseMemory(rss_before=60 * MIB, peak=200 * MIB, records_bytes=30 * MIB),
+        },
+    }
+    text = _text(render_demo_runs, [run])
+    assert "agent 150 of 600 MiB (25%)" in text
+    assert "model 200 of 800 MiB (25%)" in text
+    # the bound itself still judges the restore: +90 MiB against +30 allowed
+    assert "agent 60 → 150 (+90.0 ≤ +30.0 ✗)" in text
+
+
+def test_a_restore_without_a_commit_window_says_nothing_of_it() -> None:
+    run = ScaleRun("a", 1, 100, ok=True)
+    run.memory = {"restore": {"agent": PhaseMemory(rss_before=60 * MIB, peak=70 * MIB)}}
+    line = next(line for line in _text(render_demo_runs, [run]).splitlines() if "before the crash" in line)
+    assert line.rstrip(" │").endswith("–")
+
+
+def test_sessions_runs_stand_side_by_side_each_in_its_column() -> None:
+    local = SessionsRun(sessions=1_000, session_bytes=350_000, workers=1, ok=True, commit_seconds=0.7)
+    ray = SessionsRun(sessions=1_000, session_bytes=350_000, workers=1, error="the Ray cluster did not start")
+    local.restart_seconds, ray.restart_seconds = 1.05, 3.86
+    text = _text(render_sessions, {"one machine": local, "three Ray nodes": ray})
+    header = next(line for line in text.splitlines() if "one machine" in line)
+    assert header.index("one machine") < header.index("three Ray nodes")
+    row = next(line for line in text.splitlines() if line.startswith("│ commit s (≤ 1.5)"))
+    assert "0.700 ✓" in row and row.rstrip(" │").endswith("–")  # the failed run never committed
+    assert "failed: the Ray cluster did not start" in text
+    row = next(line for line in text.splitlines() if "fresh server answers" in line)
+    assert "1.05" in row and "3.86" in row
