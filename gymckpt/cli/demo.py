@@ -76,7 +76,8 @@ def demo_command(
     the stack spread over them, the node holding the environment and agent SIGKILLed,
     every server placed again on the nodes left and restored (gymckpt.demo.ray_demo).
     Exit status: 0 success, 1 a rollout lost, a result different or a damaged
-    checkpoint, 2 setup failure.
+    checkpoint, 2 setup failure, 143 stopped by SIGTERM (every server, and with --ray
+    the cluster, taken down first).
     """
     from gymckpt.demo import run_demo, run_s3_demo, run_s3_store_demo, run_store_demo
 

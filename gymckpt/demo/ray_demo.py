@@ -25,7 +25,8 @@ This process then prints the table: each server's node before and after, the rol
 (none lost, none different), and prepare, commit, restore and recovery seconds (recovery:
 from the node's death to every server answering after the restore). Needs root, ``ip`` and
 ``unshare``, the ray extra and moto's server (``pip install -e '.[ray,demo-s3]'``).
-Exit status: 0 success, 1 a rollout lost or different (or a phase failing), 2 setup.
+Exit status: 0 success, 1 a rollout lost or different (or a phase failing), 2 setup, 143
+stopped by SIGTERM (which, as Ctrl-C, takes the cluster and its namespace down first).
 """
 
 from __future__ import annotations
