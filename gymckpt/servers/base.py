@@ -68,6 +68,12 @@ class ServerConfig(BaseModel):
     #: per downstream server, by its base URL (in a stack file ``"{resources}": 1000``), a bound of its
     #: own in place of ``data_connector_limit_per_host`` (0: no limit); its calls go on a pool of their own
     data_connector_limit_by_url: dict[str, int] = Field(default_factory=dict)
+    #: how long the data pools keep an idle connection, in seconds (None:
+    #: :func:`~gymckpt.transport.client_idle_seconds`, 4 s: below stock uvicorn's and vLLM's 5 s keep-alive).
+    #: Keep it below the keep-alive of every server this one calls: gymckpt's own keep 75 s
+    #: (``GYMCKPT_KEEP_ALIVE``), so a stack of them only may give 30; a connection dropped sooner
+    #: is opened again on the next call, at the cost of a TCP handshake on both sides
+    data_connector_idle_seconds: float | None = Field(default=None, gt=0)
 
     @field_validator("data_connector_limit_by_url")
     @classmethod
@@ -162,9 +168,12 @@ class Downstream:
         connector_limit_per_host: int | None = None,
         limit_by_url: dict[str, int] | None = None,
         reply_limit: int | None = None,
+        idle_seconds: float | None = None,
     ) -> None:
         self.checkpointing = checkpointing
         self._limits = (connector_limit, connector_limit_per_host)
+        #: how long an idle pooled connection is kept (None: the transport's default)
+        self._idle_seconds = idle_seconds
         #: base URL → a bound of its own (its calls go on a pool of their own)
         self._limit_by_url = {url.rstrip("/"): bound for url, bound in (limit_by_url or {}).items()}
         if reply_limit is not None and reply_limit <= 0:
@@ -193,6 +202,7 @@ class Downstream:
             session = self._sessions[lane] = transport.client_session(
                 limit=limit,
                 limit_per_host=per_host,
+                idle_seconds=self._idle_seconds,
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),  # one jar would mix every episode's sessions
             )
@@ -376,6 +386,7 @@ def build_app(
         connector_limit=config.data_connector_limit,
         connector_limit_per_host=config.data_connector_limit_per_host,
         limit_by_url=config.data_connector_limit_by_url,
+        idle_seconds=config.data_connector_idle_seconds,
     )
     closers = [downstream.close, *(on_shutdown or [])]
 

@@ -457,6 +457,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         connector_limit=config.data_connector_limit,
         connector_limit_per_host=config.data_connector_limit_per_host,
         limit_by_url=config.data_connector_limit_by_url,
+        idle_seconds=config.data_connector_idle_seconds,
     )
     cutter = GenerationCutClient(config.inference_url, config.checkpoint.token, server_name=config.instance)
     app, plane, _ = build_app("gymckpt model", config, participant, on_shutdown=[inference.close, cutter.close])

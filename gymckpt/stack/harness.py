@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointOutcome",
+    "STACK_IDLE_SECONDS",
     "RestoreOutcome",
     "RolloutHarness",
     "StackNotReady",
@@ -38,6 +39,9 @@ __all__ = [
 ]
 
 TOOLS = [{"type": "function", "name": "increment"}]
+#: how long the reference stack's servers keep an idle pooled connection to one another, in seconds (at
+#: most half the servers' keep-alive; :func:`default_stack_spec`)
+STACK_IDLE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ def default_stack_spec(
     sizes: StateSizes | None = None,
     data_pool_limit: int | None = None,
     resources_pool_limit: int | None = None,
+    pool_idle_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The reference stack: inference, model, a resources server, the agent, the environment.
 
@@ -91,8 +96,15 @@ def default_stack_spec(
     :func:`~gymckpt.transport.downstream_pool_limit`); how many rollouts can be inside the
     agent at once. ``resources_pool_limit``: the agent's and the environment's calls to the
     resources server (short ones: tool calls, seed, verify) on a pool of their own at this
-    bound, so their idle connections are not held beside a full data pool.
+    bound, so their idle connections are not held beside a full data pool. ``pool_idle_seconds``:
+    how long each Gym server keeps an idle pooled connection (``data_connector_idle_seconds``).
+    Every server of this stack is gymckpt's, so the default is :data:`STACK_IDLE_SECONDS`, at most
+    half their keep-alive (``GYMCKPT_KEEP_ALIVE``, 75 s), not the transport's 4 s for servers of
+    unknown keep-alive: a rollout's wave idles longer than 4 s, and its next wave then opened a
+    connection per call (at 16,000 rollouts: 7.5 % more CPU, 7 % longer).
     """
+    if pool_idle_seconds is None:
+        pool_idle_seconds = min(STACK_IDLE_SECONDS, transport.server_keep_alive() / 2)
     sizes = sizes if sizes is not None else StateSizes.compact()
     model: dict[str, Any] = {"inference_url": "{inference}", "tool_turns": tool_turns}
     if sizes.generation_tokens != 8:
@@ -105,11 +117,13 @@ def default_stack_spec(
     resources_server: dict[str, Any] = {"name": "resources", "kind": resources}
     if sizes.tool_output_chars and resources == "counter":
         resources_server["config"] = {"output_chars": sizes.tool_output_chars}
-    pools: dict[str, int] = {}
+    pools: dict[str, Any] = {}
     if data_pool_limit is not None:
         pools = {"data_connector_limit": data_pool_limit, "data_connector_limit_per_host": data_pool_limit}
         model.update(pools)
         resources_server["config"] = {**resources_server.get("config", {}), **pools}
+    pools = {**pools, "data_connector_idle_seconds": pool_idle_seconds}
+    model.update(pools)
     calling_resources: dict[str, Any] = dict(pools)
     if resources_pool_limit is not None:
         calling_resources["data_connector_limit_by_url"] = {"{resources}": resources_pool_limit}

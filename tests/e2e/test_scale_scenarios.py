@@ -124,3 +124,26 @@ def test_a_data_pool_limit_reaches_every_gym_server_and_not_the_inference_backen
     assert all(
         "data_connector_limit" not in server.get("config", {}) for server in default_stack_spec(token="t")["servers"]
     )
+
+
+def test_the_stacks_servers_keep_idle_connections_to_one_another_within_half_their_keep_alive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every server of the reference stack is gymckpt's (keep-alive GYMCKPT_KEEP_ALIVE, 75 s): its callers
+    keep an idle connection 30 s, not the 4 s kept for servers of unknown keep-alive; never past half
+    the keep-alive, so a server never closes a connection its caller is about to reuse."""
+    from gymckpt.stack.harness import STACK_IDLE_SECONDS, default_stack_spec
+
+    def idle(**options: object) -> dict[str, object]:
+        spec = default_stack_spec(token="t", **options)  # type: ignore[arg-type]
+        return {
+            server["name"]: server.get("config", {}).get("data_connector_idle_seconds") for server in spec["servers"]
+        }
+
+    monkeypatch.delenv(transport.KEEP_ALIVE_ENV, raising=False)
+    callers = {"model", "agent", "environment"}  # the inference backend and the resources server call no one
+    assert STACK_IDLE_SECONDS > transport.CLIENT_IDLE_SECONDS
+    assert idle() == {name: STACK_IDLE_SECONDS if name in callers else None for name in idle()}
+    monkeypatch.setenv(transport.KEEP_ALIVE_ENV, "10")
+    assert {idle()[name] for name in callers} == {5.0}
+    assert {idle(pool_idle_seconds=2.5)[name] for name in callers} == {2.5}

@@ -597,3 +597,34 @@ def test_gymckpt_serve_keeps_idle_connections_for_its_keep_alive_and_logs_its_bu
         process.kill()
         process.wait(timeout=DEADLINE)
         listening.close()
+
+
+def test_the_idle_time_of_pooled_connections_is_the_configs_on_every_lane() -> None:
+    """``data_connector_idle_seconds`` reaches every pool a server's Downstream makes (the data pool, the
+    awaited lane, a pool of its own by URL); unset, the transport's default stays below stock uvicorn's 5 s."""
+
+    async def scenario(idle: float | None) -> list[float]:
+        config = _environment(
+            data_connector_limit_by_url={"http://127.0.0.1:9002": 5}, data_connector_idle_seconds=idle
+        )
+        downstream = Downstream(
+            checkpointing=False,
+            limit_by_url=config.data_connector_limit_by_url,
+            idle_seconds=config.data_connector_idle_seconds,
+        )
+        try:
+            lanes = [
+                downstream._client(),
+                downstream._client(awaited=True),
+                downstream._client(base="http://127.0.0.1:9002"),
+            ]
+            return [lane.connector._keepalive_timeout for lane in lanes]  # type: ignore[union-attr]
+        finally:
+            await downstream.close()
+
+    assert asyncio.run(scenario(30.0)) == [30.0, 30.0, 30.0]
+    assert asyncio.run(scenario(None)) == [transport.client_idle_seconds()] * 3
+    assert transport.client_idle_seconds() < 5.0
+    for wrong in (0, -1):
+        with pytest.raises(ValueError, match="greater than 0"):
+            _environment(data_connector_idle_seconds=wrong)
