@@ -5,14 +5,15 @@
     python -m benchmarks.bench_ray                      # 2,000 rollouts
     python -m benchmarks.bench_ray --rollouts 500 --json out.json
     python -m benchmarks.bench_ray --checkpoint-turn 2    # issue 27's scenario (a), checkpointed by turn
-    python -m benchmarks.bench_ray --scenario b           # issue 27's scenario (b): 1,000 sessions x 350 KB
+    python -m benchmarks.bench_ray --scenario b           # issue 27's (b): 1,000 sessions x 350 KB
 
 Both runs take the same tasks, the same stack (:func:`~gymckpt.stack.harness.default_stack_spec`,
-one uvicorn worker per server, the realistic state of issue 27 unless ``--state compact``), the
-same inference token delay, a checkpoint to ``s3://`` on moto's server (a child process) once
-half the rollouts have finished (or, with ``--checkpoint-turn``, once ``--checkpoint-share`` of
-them are in flight at that turn, by default 0.92 of those that fit inside the agent at once, as
-bench_scale's (a); the connection pools are sized as bench_scale sizes them), and every result compared with an uninterrupted run:
+one uvicorn worker per server, the realistic state of issue 27 unless ``--state compact``, the
+connection pools sized as bench_scale sizes them), the same inference token delay, a checkpoint
+to ``s3://`` on moto's server (a child process) once half the rollouts have finished (or, with
+``--checkpoint-turn``, once ``--checkpoint-share`` of them are in flight at that turn: by default
+0.92 of those that fit inside the agent at once, as bench_scale's (a)), and every result
+compared with an uninterrupted run:
 
 - **three Ray nodes** (:func:`gymckpt.demo.ray_demo.run_ray_demo`): a head and two worker
   raylets on this machine, the environment and agent on ``node1``; ``node1`` is SIGKILLed,
@@ -29,8 +30,10 @@ loss, exported, lost and different, of each.
 ``--scenario b`` runs bench_scale's scenario (b) instead, both ways: the sandbox server of
 1,000 sessions of 350 KB on this machine, SIGKILLed and restarted on its socket
 (:func:`~benchmarks.scale_sessions.run_sessions_scenario`), and placed on a Ray node that is
-then lost (:func:`~benchmarks.ray_sessions.run_ray_sessions`); the table is bench_scale's. The machine's cores are shared by the three Ray nodes (Ray's CPU
-accounting only) and by whatever else runs: figures are noisy. Needs what ``gymckpt demo
+then lost (:func:`~benchmarks.ray_sessions.run_ray_sessions`); the table is bench_scale's.
+
+The machine's cores are shared by the three Ray nodes (Ray's CPU accounting only) and by
+whatever else runs: figures are noisy. Needs what ``gymckpt demo
 --ray`` needs (root, ``ip``, ``unshare``, ``pip install -e '.[ray,demo-s3]'``). Exit status 1
 when a run fails, loses a rollout or a result differs.
 """
