@@ -144,11 +144,10 @@ def _from_json(data: dict[str, Any]) -> SessionsRun:
 # --------------------------------------------------------------------------- the controller, in the namespace
 
 
-def _stack(request: dict[str, Any], token: str) -> RayStack:
+def _stack(request: dict[str, Any], token: str, workdir: Path) -> RayStack:
     from gymckpt.stack.ray import RayStack
 
-    base = Path(request["base"])
-    spec = sessions_spec(token, base / CHECKPOINTS, session_bytes=int(request["session_bytes"]), workers=1)
+    spec = sessions_spec(token, workdir, session_bytes=int(request["session_bytes"]), workers=1)
     spec["ray"] = {
         "cpus_per_server": float(request["cpus"]) / 2,
         "resources": {SERVER: {VICTIM: 0.01}},
@@ -162,7 +161,9 @@ async def _controller(request: dict[str, Any], run: SessionsRun, console: Consol
     timeout = float(request["timeout"])
     names_of = {node: name for name, node in request["node_ids"].items()}
     token = secrets.token_urlsafe(16)
-    stack = _stack(request, token)
+    workdir = Path(request["base"]) / CHECKPOINTS
+    workdir.mkdir(parents=True, exist_ok=True)
+    stack = _stack(request, token, workdir)
     cluster = RayCluster(Path(request["base"]), workers=len(request["node_ids"]) - 1)
     cluster.cluster_id = request["cluster_id"]
 
@@ -186,8 +187,6 @@ async def _controller(request: dict[str, Any], run: SessionsRun, console: Consol
             "a fresh process restores"
         )
 
-    workdir = Path(request["base"]) / CHECKPOINTS
-    workdir.mkdir(parents=True, exist_ok=True)
     try:
         await SessionsPhases(run, stack, token, workdir, console, timeout, start=start, crash=crash).run()
     finally:

@@ -117,12 +117,11 @@ def default_stack_spec(
     resources_server: dict[str, Any] = {"name": "resources", "kind": resources}
     if sizes.tool_output_chars and resources == "counter":
         resources_server["config"] = {"output_chars": sizes.tool_output_chars}
-    pools: dict[str, Any] = {}
+    pools: dict[str, Any] = {"data_connector_idle_seconds": pool_idle_seconds}
     if data_pool_limit is not None:
-        pools = {"data_connector_limit": data_pool_limit, "data_connector_limit_per_host": data_pool_limit}
-        model.update(pools)
-        resources_server["config"] = {**resources_server.get("config", {}), **pools}
-    pools = {**pools, "data_connector_idle_seconds": pool_idle_seconds}
+        limits = {"data_connector_limit": data_pool_limit, "data_connector_limit_per_host": data_pool_limit}
+        resources_server["config"] = {**resources_server.get("config", {}), **limits}
+        pools.update(limits)
     model.update(pools)
     calling_resources: dict[str, Any] = dict(pools)
     if resources_pool_limit is not None:
