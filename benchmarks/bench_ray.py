@@ -192,9 +192,14 @@ def _pools(args: argparse.Namespace) -> ConnectionPools:
 
 
 def _pool_limits(args: argparse.Namespace) -> dict[str, int]:
-    """Each Gym server's data pool and its pool to the resources server, sized as bench_scale sizes them."""
+    """Each Gym server's data pool, its pool to the resources server and the model's to the inference
+    backend, sized as bench_scale sizes them."""
     pools = _pools(args)
-    return {"data_pool_limit": pools.data, "resources_pool_limit": pools.resources}
+    return {
+        "data_pool_limit": pools.data,
+        "resources_pool_limit": pools.resources,
+        "inference_pool_limit": pools.inference,
+    }
 
 
 def render(sides: list[Side], out: Console) -> None:

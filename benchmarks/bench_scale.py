@@ -123,6 +123,8 @@ class ConnectionPools:
     trainer: int
     #: the agent's and the environment's pool of its own to the resources server
     resources: int
+    #: the model server's connections to the inference backend, in all: the generations decoding at once
+    inference: int
 
 
 def connection_pools(descriptors: int, rollouts: int) -> ConnectionPools:
@@ -136,12 +138,20 @@ def connection_pools(descriptors: int, rollouts: int) -> ConnectionPools:
     outside its bound) and the awaited lanes. The trainer's pool is no larger than the data
     pool: the kernel spreads accepted connections over a server's workers unevenly, so one
     worker may get nearly all of them. At 20,000 descriptors: 9,116 rollouts inside the agent.
+
+    The model server's pool to the inference backend stays at a server's own bound
+    (:data:`~gymckpt.transport.DOWNSTREAM_POOL_LIMIT`, 1,024), as an inference engine's batch
+    would bound it: a rollout waiting there for its generation to start is still inside the
+    agent. Sized like the data pool, it let 9,116 generations decode at once, their replies came
+    faster than two cores serve them, and each server's event loop fell seconds behind, a
+    checkpoint's control calls with it (prepare 4-16 s).
     """
     resources = RESOURCES_POOL
     awaited = 2 * transport.AWAITED_POOL_LIMIT  # the environment's and the agent's, to two servers each
     share = max((descriptors - _DESCRIPTOR_SLACK - resources - awaited) // 2, 64)
     pool = min(rollouts, share)
-    return ConnectionPools(data=pool, trainer=pool, resources=min(resources, pool))
+    inference = min(transport.DOWNSTREAM_POOL_LIMIT, pool)
+    return ConnectionPools(data=pool, trainer=pool, resources=min(resources, pool), inference=inference)
 
 
 def _memory_json(memory: dict[str, dict[str, PhaseMemory]]) -> dict[str, Any]:
@@ -222,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="(a, c) the trainer's /run connections to the environment (GYMCKPT_POOL_LIMIT; default: the rest "
         "of the environment's descriptors)",
     )
+    parser.add_argument(
+        "--inference-pool",
+        type=positive,
+        default=None,
+        help="(a, c) the model server's connections to the inference backend, in all: how many generations "
+        f"decode at once (default: {transport.DOWNSTREAM_POOL_LIMIT:,}, a server's own bound)",
+    )
     parser.add_argument("--sessions", type=positive, default=1_000, help="(b) sandbox sessions (1,000)")
     parser.add_argument(
         "--session-bytes", type=positive, default=DEFAULT_SESSION_BYTES, help="(b) bytes per session (350,000)"
@@ -257,11 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         """The knobs of one run at ``workers`` workers, its connection pools sized (and said) for it."""
         pools = connection_pools(soft, args.rollouts)
         data_pool, trainer_pool = args.data_pool or pools.data, args.trainer_pool or pools.trainer
+        inference_pool = args.inference_pool or pools.inference
         os.environ["GYMCKPT_POOL_LIMIT"] = str(trainer_pool)  # the harness's pool (the servers are given theirs)
         console.print(
             f"{workers} worker(s) per server: up to {trainer_pool:,} /run calls at the environment (the trainer's "
             f"pool; the rest wait in the trainer), each Gym server process's data pool {data_pool:,}, "
-            f"to the resources server {pools.resources:,}",
+            f"to the resources server {pools.resources:,}, the model's to the inference backend {inference_pool:,}",
             highlight=False,
         )
         demo_options = dict(knobs.demo_options)
@@ -274,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 **knobs.stack_options,
                 "data_pool_limit": data_pool,
                 "resources_pool_limit": pools.resources,
+                "inference_pool_limit": inference_pool,
             },
             demo_options=demo_options,
         )

@@ -86,6 +86,7 @@ def default_stack_spec(
     data_pool_limit: int | None = None,
     resources_pool_limit: int | None = None,
     pool_idle_seconds: float | None = None,
+    inference_pool_limit: int | None = None,
 ) -> dict[str, Any]:
     """The reference stack: inference, model, a resources server, the agent, the environment.
 
@@ -102,6 +103,10 @@ def default_stack_spec(
     half their keep-alive (``GYMCKPT_KEEP_ALIVE``, 75 s), not the transport's 4 s for servers of
     unknown keep-alive: a rollout's wave idles longer than 4 s, and its next wave then opened a
     connection per call (at 16,000 rollouts: 7.5 % more CPU, 7 % longer).
+    ``inference_pool_limit``: the model server's connections to the inference backend, in all
+    (each of its workers takes its share; default: ``data_pool_limit``): how many generations
+    decode at once, as an inference engine's batch bounds them. The calls beyond wait in the
+    model server's pool, costing its event loop nothing until they go out.
     """
     if pool_idle_seconds is None:
         pool_idle_seconds = min(STACK_IDLE_SECONDS, transport.server_keep_alive() / 2)
@@ -123,6 +128,9 @@ def default_stack_spec(
         resources_server["config"] = {**resources_server.get("config", {}), **limits}
         pools.update(limits)
     model.update(pools)
+    if inference_pool_limit is not None:
+        share = -(-inference_pool_limit // max(workers, 1))  # the server's bound, split over its workers
+        model.update(data_connector_limit=share, data_connector_limit_per_host=share)
     calling_resources: dict[str, Any] = dict(pools)
     if resources_pool_limit is not None:
         calling_resources["data_connector_limit_by_url"] = {"{resources}": resources_pool_limit}

@@ -105,6 +105,22 @@ def test_connection_pools_fit_the_stack_into_the_descriptors() -> None:
         assert pools.trainer == pools.data > 0 and pools.resources > 0, (descriptors, pools)
     assert connection_pools(20_000, 300).data == 300  # a short run: every rollout inside the agent at once
     assert connection_pools(20_000, 16_000).data >= 9_000  # the acceptance wants 8,000 past their first turn
+    # the generations decoding at once stay at a server's own bound, however many rollouts fit inside the agent
+    assert connection_pools(20_000, 16_000).inference == transport.DOWNSTREAM_POOL_LIMIT
+    assert connection_pools(20_000, 300).inference == 300
+
+
+def test_the_models_pool_to_the_inference_backend_is_the_servers_bound_split_over_its_workers() -> None:
+    from gymckpt.stack.harness import default_stack_spec
+
+    def model_config(**options: int) -> dict[str, object]:
+        spec = default_stack_spec(token="t", data_pool_limit=9_000, **options)
+        return next(server["config"] for server in spec["servers"] if server["name"] == "model")
+
+    assert model_config(inference_pool_limit=1_024)["data_connector_limit"] == 1_024
+    two = model_config(inference_pool_limit=1_023, workers=2)
+    assert two["data_connector_limit"] == two["data_connector_limit_per_host"] == 512  # each worker's share
+    assert model_config()["data_connector_limit"] == 9_000  # without it: the data pool
 
 
 def test_a_data_pool_limit_reaches_every_gym_server_and_not_the_inference_backend() -> None:
