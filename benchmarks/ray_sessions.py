@@ -24,8 +24,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -94,7 +92,7 @@ def run_ray_sessions(*, sessions: int, session_bytes: int, console: Console, tim
                 "timeout": timeout,
                 "cpus": cpus,
             }
-            return _run_controller(cluster, request, base, timeout) or run
+            return _run_controller(cluster, request, base, timeout)
         except Terminated:
             run.error = "stopped by SIGTERM; the Ray cluster was taken down"
             return run
@@ -105,29 +103,17 @@ def run_ray_sessions(*, sessions: int, session_bytes: int, console: Console, tim
                 console.print(f"[red]left behind: {', '.join(left)}[/]", highlight=False)
 
 
-def _run_controller(cluster: Any, request: dict[str, Any], base: Path, timeout: float) -> SessionsRun | None:
-    request_file, result_file = base / "request.json", base / "result.json"
-    request_file.write_text(json.dumps(request))
-    command = cluster.command(sys.executable, "-m", "benchmarks.ray_sessions", str(request_file), str(result_file))
+def _run_controller(cluster: Any, request: dict[str, Any], base: Path, timeout: float) -> SessionsRun:
+    bound = 4 * timeout
     # its output, Ray's own lines about the node it loses among it, is progress: stderr, as the demo's
-    controller = subprocess.Popen(command, stdout=sys.stderr, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    try:
-        controller.wait(timeout=4 * timeout)
-    except subprocess.TimeoutExpired:
-        pass  # past its bound: stopped below; the run then says it has no result
-    finally:  # past its bound, or this process stopped: the controller goes first, then the cluster
-        if controller.poll() is None:
-            controller.send_signal(signal.SIGTERM)
-            try:
-                controller.wait(30)
-            except subprocess.TimeoutExpired:
-                controller.kill()
-                controller.wait()
-    if not result_file.exists():
-        run = SessionsRun(sessions=int(request["sessions"]), session_bytes=int(request["session_bytes"]), workers=1)
-        run.error = f"the controller exited {controller.returncode} without a result"
-        return run
-    return _from_json(json.loads(result_file.read_text()))
+    run = cluster.run_driver(
+        sys.executable, "-m", "benchmarks.ray_sessions", request=request, base=base, bound=bound, output=sys.stderr
+    )
+    if run.result is None:
+        lost = SessionsRun(sessions=int(request["sessions"]), session_bytes=int(request["session_bytes"]), workers=1)
+        lost.error = run.failure(bound)
+        return lost
+    return _from_json(run.result)
 
 
 def _from_json(data: dict[str, Any]) -> SessionsRun:

@@ -37,7 +37,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -217,7 +216,7 @@ def run_ray_demo(
                 "checkpoint_turn": None if checkpoint_turn is None else asdict(checkpoint_turn),
                 "pool_limits": dict(pool_limits or {}),
             }
-            outcome = _run_controller(cluster, request, base, progress_console or console, timeout) or outcome
+            outcome = _run_controller(cluster, request, base, progress_console or console, timeout)
         except Terminated:
             outcome.error, outcome.exit_code = "stopped by SIGTERM; the Ray cluster was taken down", EXIT_TERMINATED
         finally:
@@ -232,40 +231,22 @@ def run_ray_demo(
 
 def _run_controller(
     cluster: Any, request: dict[str, Any], base: Path, progress_console: Console, timeout: float
-) -> RayDemoOutcome | None:
-    request_file, result_file = base / "request.json", base / "result.json"
-    request_file.write_text(json.dumps(request))
-    command = cluster.command(sys.executable, "-m", "gymckpt.demo.ray_demo", str(request_file), str(result_file))
-    stream = progress_console.file
-    controller = subprocess.Popen(
-        command,
-        stdout=stream if _has_fd(stream) else None,
-        stderr=subprocess.STDOUT if _has_fd(stream) else None,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+) -> RayDemoOutcome:
+    bound = 10 * timeout
+    run = cluster.run_driver(
+        sys.executable,
+        "-m",
+        "gymckpt.demo.ray_demo",
+        request=request,
+        base=base,
+        bound=bound,
+        output=progress_console.file,
     )
-    try:
-        controller.wait(timeout=10 * timeout)
-    finally:
-        if controller.poll() is None:
-            controller.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                controller.wait(30)
-            controller.kill()
-            controller.wait()
-    if not result_file.exists():
+    if run.result is None:
         outcome = RayDemoOutcome(rollouts=int(request["rollouts"]), nodes=request["node_ids"])
-        outcome.error = f"the controller exited {controller.returncode} without a result"
-        outcome.exit_code = EXIT_DIFFERS
+        outcome.error, outcome.exit_code = run.failure(bound), EXIT_DIFFERS
         return outcome
-    return RayDemoOutcome(**json.loads(result_file.read_text()))
-
-
-def _has_fd(stream: Any) -> bool:
-    try:
-        stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        return False
-    return True
+    return RayDemoOutcome(**run.result)
 
 
 def render(outcome: RayDemoOutcome, console: Console) -> None:

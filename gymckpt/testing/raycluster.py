@@ -38,19 +38,21 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
 __all__ = [
     "NODE_MARKER",
+    "DriverRun",
     "RayCluster",
     "RayClusterError",
     "RayClusterUnavailable",
     "Terminated",
     "install_hint",
     "missing",
+    "run_driver",
     "sigterm_unwinds",
 ]
 
@@ -59,6 +61,8 @@ NODE_MARKER = "GYMCKPT_TEST_NODE"
 #: seconds a node may take to join, a driver to see it
 START_TIMEOUT = 90.0
 STOP_TIMEOUT = 30.0
+#: seconds a driver has to end after its SIGTERM before it is SIGKILLed
+DRIVER_STOP_SECONDS = 30.0
 #: bytes of each node's object store (Ray's smallest is 75 MiB; its default, 30% of the memory, per node)
 OBJECT_STORE = 80 * 1024 * 1024
 
@@ -91,6 +95,70 @@ def sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass(frozen=True)
+class DriverRun:
+    """How a driver run by :func:`run_driver` ended."""
+
+    #: its exit status (negative: the signal that ended it)
+    returncode: int
+    #: the JSON it wrote to its result file (None: it wrote none)
+    result: dict[str, Any] | None
+    #: True when it outlived its bound and was stopped
+    timed_out: bool = False
+
+    def failure(self, bound: float) -> str:
+        """Why there is no result, in one line (for a run that has none)."""
+        if self.timed_out:
+            return f"the controller did not finish within {bound:g} s and was stopped"
+        return f"the controller exited {self.returncode} without a result"
+
+
+def run_driver(
+    command: list[str], request: dict[str, Any], base: Path, *, bound: float, output: IO[Any] | None = None
+) -> DriverRun:
+    """Run ``command`` followed by a request file and a result file, both under ``base``; its result.
+
+    ``request`` is written as JSON to ``base/request.json``; the driver writes its result as
+    JSON to ``base/result.json``. Its output goes to ``output`` when that is a real file (else
+    it is inherited). Past ``bound`` seconds, or when this process unwinds (Ctrl-C, a
+    :class:`Terminated`), the driver gets a SIGTERM, then :data:`DRIVER_STOP_SECONDS` to end
+    before its SIGKILL: a driver never outlives its caller.
+    """
+    request_file, result_file = base / "request.json", base / "result.json"
+    request_file.write_text(json.dumps(request))
+    result_file.unlink(missing_ok=True)
+    to = output if output is not None and _has_fd(output) else None
+    driver = subprocess.Popen(
+        [*command, str(request_file), str(result_file)],
+        stdout=to,
+        stderr=subprocess.STDOUT if to is not None else None,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    timed_out = False
+    try:
+        driver.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        timed_out = True  # stopped below
+    finally:
+        if driver.poll() is None:
+            driver.send_signal(signal.SIGTERM)
+            try:
+                driver.wait(DRIVER_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                driver.kill()
+                driver.wait()
+    result = json.loads(result_file.read_text()) if result_file.exists() else None
+    return DriverRun(returncode=driver.returncode, result=result, timed_out=timed_out)
+
+
+def _has_fd(stream: IO[Any]) -> bool:
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
 
 
 class RayClusterUnavailable(RuntimeError):
@@ -222,6 +290,12 @@ class RayCluster:
     def command(self, *argv: str) -> list[str]:
         """``argv`` run inside the cluster's network namespace (a driver, ``gymckpt stack up --ray``)."""
         return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def run_driver(
+        self, *argv: str, request: dict[str, Any], base: Path, bound: float, output: IO[Any] | None = None
+    ) -> DriverRun:
+        """``argv`` as a driver inside the cluster's network namespace, through :func:`run_driver`."""
+        return run_driver(self.command(*argv), request, base, bound=bound, output=output)
 
     def marker(self, node: str) -> str:
         return f"{self.cluster_id}/{node}"

@@ -203,3 +203,38 @@ def test_sigterm_runs_the_teardown_of_a_cluster_owner_once() -> None:
             process.wait()
     assert out.splitlines() == ["terminated: signal 15", "teardown done", "default restored: True"]
     assert process.returncode == 0
+
+
+#: a driver as run_driver runs it: its request and result files are its last two arguments
+_DRIVER = """
+import json, signal, sys
+request = json.loads(open(sys.argv[-2]).read())
+if request["then"] == "answer":
+    open(sys.argv[-1], "w").write(json.dumps({"echo": request["value"]}))
+elif request["then"] == "hang":
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print("hanging", flush=True)
+    signal.pause()
+sys.exit(request.get("status", 0))
+"""
+
+
+@pytest.mark.parametrize(
+    ("request_body", "bound", "expected"),
+    [
+        ({"then": "answer", "value": 7}, 60.0, (0, {"echo": 7}, False, None)),
+        ({"then": "exit", "status": 3}, 60.0, (3, None, False, "the controller exited 3 without a result")),
+        ({"then": "hang"}, 0.5, (-15, None, True, "the controller did not finish within 0.5 s and was stopped")),
+    ],
+)
+def test_a_driver_is_run_to_its_result_or_stopped_past_its_bound(
+    tmp_path: Path, request_body: dict[str, object], bound: float, expected: tuple[object, ...]
+) -> None:
+    from gymckpt.testing.raycluster import run_driver
+
+    (tmp_path / "result.json").write_text('{"stale": true}')  # an earlier run's result is never taken for this one's
+    run = run_driver([sys.executable, "-c", _DRIVER], request_body, tmp_path, bound=bound)
+    returncode, result, timed_out, failure = expected
+    assert (run.returncode, run.result, run.timed_out) == (returncode, result, timed_out)
+    if failure is not None:
+        assert run.failure(bound) == failure
