@@ -36,6 +36,8 @@ class PhaseMemory:
     processes: int = 0
     #: each process's RSS before and peak (pid → [before, peak]), to tell a coordinator from its workers
     by_process: dict[int, list[int]] = field(default_factory=dict)
+    #: the RSS when the operation ended (0: not read): what the server keeps, against the peak's passing copies
+    rss_after: int = 0
 
     @property
     def bound(self) -> int:
@@ -48,13 +50,14 @@ class PhaseMemory:
         return None if not self.records_bytes else self.peak <= self.bound
 
     def describe(self) -> str:
-        """``before → peak (+growth ≤ +allowed)`` in MiB, for a table cell."""
+        """``before → peak (+growth ≤ +allowed), after`` in MiB, for a table cell."""
         growth = (self.peak - self.rss_before) / MIB
         text = f"{self.rss_before / MIB:,.0f} → {self.peak / MIB:,.0f} (+{growth:,.1f}"
         if self.records_bytes:
             mark = "✓" if self.within_bound else "✗"
             text += f" ≤ +{RSS_BOUND_FACTOR * self.records_bytes / MIB:,.1f} {mark}"
-        return text + (")" if self.method == "VmHWM" else ") sampled")
+        text += ")" if self.method == "VmHWM" else ") sampled"
+        return text + (f", {self.rss_after / MIB:,.0f} after" if self.rss_after else "")
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -121,6 +124,7 @@ class MemoryWindow:
         """Read each server's peak since :meth:`begin`; the figures by server name."""
         for name, pids in self._pids.items():
             memory = self.figures[name]
+            memory.rss_after = sum((_status_kib(pid, "VmRSS") or 0) * 1024 for pid in pids)
             if memory.method == "VmHWM":
                 marks = [_status_kib(pid, "VmHWM") for pid in pids]
                 for pid, mark in zip(pids, marks, strict=True):

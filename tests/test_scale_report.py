@@ -26,7 +26,7 @@ def test_a_restore_peak_is_set_against_what_the_server_held_live_before_the_cras
             "model": PhaseMemory(rss_before=800 * MIB, peak=830 * MIB, records_bytes=30 * MIB),
         },
         "restore": {
-            "agent": PhaseMemory(rss_before=60 * MIB, peak=150 * MIB, records_bytes=20 * MIB),
+            "agent": PhaseMemory(rss_before=60 * MIB, peak=150 * MIB, records_bytes=20 * MIB, rss_after=140 * MIB),
             "model": PhaseMemory(rss_before=60 * MIB, peak=200 * MIB, records_bytes=30 * MIB),
         },
     }
@@ -34,7 +34,9 @@ def test_a_restore_peak_is_set_against_what_the_server_held_live_before_the_cras
     assert "agent 150 of 600 MiB (25%)" in text
     assert "model 200 of 800 MiB (25%)" in text
     # the bound itself still judges the restore: +90 MiB against +30 allowed
-    assert "agent 60 → 150 (+90.0 ≤ +30.0 ✗)" in text
+    assert "agent 60 → 150 (+90.0 ≤ +30.0 ✗), 140 after" in text  # what it kept: the state it restored
+    model = next(line for line in text.splitlines() if "model 60 → 200" in line)
+    assert "after" not in model  # not read: not said
 
 
 def test_a_restore_without_a_commit_window_says_nothing_of_it() -> None:
