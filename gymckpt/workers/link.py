@@ -453,24 +453,37 @@ class WorkerLink:
         if export != self._export_stream:
             raise InvalidPhase(f"this worker's last export is {self._export_stream}, not {export}: prepare again")
         records, kind = self._exported, self.participant.kind
-        start = sent = chunks = 0
+        sent = chunks = 0
         started, encoding = time.perf_counter(), 0.0
-        while start < len(records):
-            channel = self.channel
-            if channel is None:
-                raise CoordinatorUnavailable(f"this {kind} worker lost its checkpoint coordinator")
-            encode_started = time.perf_counter()
-            pairs, lines, start = await asyncio.to_thread(
+
+        async def encode_from(start: int) -> tuple[list[list[Any]], bytes, int, float]:
+            began = time.perf_counter()
+            pairs, lines, following = await asyncio.to_thread(
                 encode_export_chunk, records, start, kind, self.routing_id, CHUNK_BYTES, skip
             )
-            encoding += time.perf_counter() - encode_started
-            if not pairs:
-                continue
-            sent += len(pairs)
-            chunk = {"stream": stream, "records": pairs}
-            await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS, blob=lines)
-            del chunk, lines
-            chunks += 1
+            return pairs, lines, following, time.perf_counter() - began
+
+        # the next chunk is encoded while the one before travels and waits for its answer: a worker
+        # holds two chunks at most, and the coordinator's round trip no longer adds to the encoding
+        upcoming = asyncio.ensure_future(encode_from(0)) if records else None
+        try:
+            while upcoming is not None:
+                pairs, lines, start, took = await upcoming
+                encoding += took
+                upcoming = asyncio.ensure_future(encode_from(start)) if start < len(records) else None
+                if not pairs:
+                    continue
+                channel = self.channel
+                if channel is None:
+                    raise CoordinatorUnavailable(f"this {kind} worker lost its checkpoint coordinator")
+                sent += len(pairs)
+                chunk = {"stream": stream, "records": pairs}
+                await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS, blob=lines)
+                del chunk, lines
+                chunks += 1
+        finally:
+            if upcoming is not None:
+                upcoming.cancel()  # a failed send: the chunk after it is not wanted
         logger.info(
             "%s worker sent %d records in %d chunks in %.3f s (encoding %.3f s)",
             kind,
