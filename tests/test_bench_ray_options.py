@@ -28,7 +28,8 @@ def test_by_turn_the_share_is_of_the_rollouts_that_fit_inside_the_agent(monkeypa
     trigger = _trigger(args)
     assert trigger is not None and trigger.turn == 2
     assert round(trigger.share * 16_000) == round(0.92 * 9_116)
-    assert _pool_limits(args) == {"data_pool_limit": 9_116, "resources_pool_limit": 512}
+    # the generations decoding at once stay at a server's own bound
+    assert _pool_limits(args) == {"data_pool_limit": 9_116, "resources_pool_limit": 512, "inference_pool_limit": 1_024}
     # fewer rollouts than fit: the share is of all of them
     args = build_parser().parse_args(["--rollouts", "2000", "--checkpoint-turn", "2"])
     assert _trigger(args) == TurnTrigger(turn=2, share=0.92)

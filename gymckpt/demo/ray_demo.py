@@ -165,9 +165,10 @@ def run_ray_demo(
     (:class:`~gymckpt.stack.harness.StateSizes`; default its realistic defaults, as
     :func:`~gymckpt.demo.run_demo`'s; :meth:`StateSizes.compact` for the small stack);
     ``checkpoint_turn``: checkpoint once that share of the rollouts in flight reached that turn
-    (instead of ``checkpoint_after`` of them finished). ``pool_limits``: ``data_pool_limit`` and
-    ``resources_pool_limit`` of :func:`~gymckpt.stack.harness.default_stack_spec` (a benchmark at
-    thousands of rollouts sizes them to the descriptors).
+    (instead of ``checkpoint_after`` of them finished). ``pool_limits``: ``data_pool_limit``,
+    ``resources_pool_limit`` and ``inference_pool_limit`` of
+    :func:`~gymckpt.stack.harness.default_stack_spec` (a benchmark at thousands of rollouts sizes
+    them to the descriptors).
     """
     why = unavailable()
     if why is not None:
