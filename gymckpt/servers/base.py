@@ -185,6 +185,17 @@ class Downstream:
         #: capture key → server base URL → the session cookie's value
         self._cookies: OrderedDict[str, dict[str, str]] = OrderedDict()
 
+    @classmethod
+    def of_config(cls, config: ServerConfig, *, checkpointing: bool) -> Downstream:
+        """A server's calls out, with the pool settings of its config (``data_connector_*``)."""
+        return cls(
+            checkpointing=checkpointing,
+            connector_limit=config.data_connector_limit,
+            connector_limit_per_host=config.data_connector_limit_per_host,
+            limit_by_url=config.data_connector_limit_by_url,
+            idle_seconds=config.data_connector_idle_seconds,
+        )
+
     def _client(self, awaited: bool = False, base: str = "") -> aiohttp.ClientSession:
         own = None if awaited else self._limit_by_url.get(base.rstrip("/"))
         lane: bool | str = base.rstrip("/") if own is not None else awaited
@@ -381,13 +392,7 @@ def build_app(
     as ``plane``, or one is made here. The app, its middleware and its downstream data pool
     are what each worker process has of its own.
     """
-    downstream = Downstream(
-        checkpointing=config.checkpoint.enabled,
-        connector_limit=config.data_connector_limit,
-        connector_limit_per_host=config.data_connector_limit_per_host,
-        limit_by_url=config.data_connector_limit_by_url,
-        idle_seconds=config.data_connector_idle_seconds,
-    )
+    downstream = Downstream.of_config(config, checkpointing=config.checkpoint.enabled)
     closers = [downstream.close, *(on_shutdown or [])]
 
     @asynccontextmanager

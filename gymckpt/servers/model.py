@@ -452,13 +452,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
     policy = config.checkpoint.enabled and config.checkpoint_policy
     participant = ModelParticipant(config.instance) if policy else None
     # inference is not a Gym server: never add a rollout prefix to its calls
-    inference = Downstream(
-        checkpointing=False,
-        connector_limit=config.data_connector_limit,
-        connector_limit_per_host=config.data_connector_limit_per_host,
-        limit_by_url=config.data_connector_limit_by_url,
-        idle_seconds=config.data_connector_idle_seconds,
-    )
+    inference = Downstream.of_config(config, checkpointing=False)
     cutter = GenerationCutClient(config.inference_url, config.checkpoint.token, server_name=config.instance)
     app, plane, _ = build_app("gymckpt model", config, participant, on_shutdown=[inference.close, cutter.close])
     app.state.participant = participant

@@ -607,11 +607,7 @@ def test_the_idle_time_of_pooled_connections_is_the_configs_on_every_lane() -> N
         config = _environment(
             data_connector_limit_by_url={"http://127.0.0.1:9002": 5}, data_connector_idle_seconds=idle
         )
-        downstream = Downstream(
-            checkpointing=False,
-            limit_by_url=config.data_connector_limit_by_url,
-            idle_seconds=config.data_connector_idle_seconds,
-        )
+        downstream = Downstream.of_config(config, checkpointing=False)
         try:
             lanes = [
                 downstream._client(),
