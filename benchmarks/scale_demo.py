@@ -91,6 +91,9 @@ class ScaleRun:
     bytes_by_participant: dict[str, int] = field(default_factory=dict)
     #: the coordinator's spans: each prepare stage's seconds (environment, model, agent, resources)
     prepare_stages: dict[str, float] = field(default_factory=dict)
+    #: the controller's call to each Gym server, s: ``{"commit": {"agent": 0.61}}`` (its route's line says
+    #: how much of it the server spent on the operation; the rest is the request and reply in transit)
+    call_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     #: each participant's own commit and restore, from its INFO line: ``{"commit": {"agent": "0.57 (…)"}}``
     participant_lines: dict[str, dict[str, str]] = field(default_factory=dict)
     #: each Gym server's memory around the commit and the restore: ``{"commit": {"agent": PhaseMemory}}``
@@ -115,7 +118,7 @@ def run_demo_scenario(
     """
     spans = CoordinatorSpans()
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-scale-{scenario}-{workers}w-", dir=root))
-    sampler = ServerSampler(knobs.sample_seconds, profile=knobs.profile, workdir=workdir)
+    sampler = ServerSampler(knobs.sample_seconds, profile=knobs.profile, workdir=workdir, keep_logs=knobs.keep)
     sampler.start()
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115 - the demo's table: this benchmark prints its own
     try:
@@ -137,6 +140,12 @@ def run_demo_scenario(
     run = _figures(outcome, scenario, workers, "s3" if store_url and "://" in store_url else "local")
     run.servers = sampler.figures
     run.prepare_stages = spans.prepare_stages()
+    names = {url: name for name, url in sampler.server_urls.items()}
+    run.call_seconds = {
+        operation: {names.get(url, url): seconds for url, seconds in spans.call_seconds(operation).items()}
+        for operation in ("commit", "restore")
+    }
+    spans.clear()
     run.participant_lines = sampler.participant_lines
     run.memory = _with_records_bytes(sampler.memory, outcome)
     if run.ok and not knobs.keep:

@@ -54,7 +54,16 @@ def _per_participant(values: dict[str, int]) -> str:
 
 def _lines(run: ScaleRun | SessionsRun, operation: str) -> str:
     lines = run.participant_lines.get(operation, {})
-    return "\n".join(f"{kind} {line}" for kind, line in sorted(lines.items())) or "–"
+    calls = getattr(run, "call_seconds", {}).get(operation, {})
+    return "\n".join(f"{kind} {_of_call(line, calls.get(kind))}" for kind, line in sorted(lines.items())) or "–"
+
+
+def _of_call(line: str, call: float | None) -> str:
+    """``0.47 (steps)`` as ``0.47 of 0.61 (steps)``: the server's own seconds of the controller's call."""
+    if call is None:
+        return line
+    seconds, _, steps = line.partition(" ")
+    return f"{seconds} of {call:.2f}" + (f" {steps}" if steps else "")
 
 
 def _memory(windows: dict[str, PhaseMemory]) -> str:
@@ -104,8 +113,8 @@ def render_demo_runs(runs: list[ScaleRun], console: Console) -> None:
         ("prepare by stage s", lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r.prepare_stages.items()) or "–"),
         (f"commit s (≤ {TARGETS['commit']})", lambda r: _mark(r.commit_seconds, _target(r, "commit"))),
         (f"restore s (≤ {TARGETS['restore']})", lambda r: _mark(r.restore_seconds, _target(r, "restore"))),
-        ("commit by participant s (steps)", lambda r: _lines(r, "commit")),
-        ("restore by participant s (steps)", lambda r: _lines(r, "restore")),
+        ("commit by participant s (of the call; steps)", lambda r: _lines(r, "commit")),
+        ("restore by participant s (of the call; steps)", lambda r: _lines(r, "restore")),
         ("records by participant", lambda r: _per_participant(r.records_by_participant)),
         ("bytes by participant", lambda r: _per_participant(r.bytes_by_participant)),
         ("records / bytes written", lambda r: f"{r.records:,} / {r.bytes_written:,}"),

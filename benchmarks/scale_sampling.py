@@ -108,8 +108,11 @@ def places_of(raw: str) -> tuple[dict[str, float], int]:
 class ServerSampler:
     """Samples every server's process tree on a thread; profiles the Gym servers with py-spy between two events."""
 
-    def __init__(self, interval: float, *, profile: bool, workdir: Path) -> None:
+    def __init__(self, interval: float, *, profile: bool, workdir: Path, keep_logs: bool = False) -> None:
         self.interval = interval
+        self.keep_logs = keep_logs
+        #: name → URL of the restored stack's servers (the same ports as before the crash)
+        self.server_urls: dict[str, str] = {}
         self.profile = profile and py_spy() is not None
         self.workdir = workdir
         self.figures: dict[str, ServerFigures] = {}
@@ -140,7 +143,15 @@ class ServerSampler:
             if self.profile:
                 self._start_profiles({name: stack.pids[name] for name in stack.gym_servers if name in stack.pids})
         if event == "continued":
-            self.participant_lines = participant_lines([server.log_path for server in stack.stack.servers.values()])
+            logs = [server.log_path for server in stack.stack.servers.values()]
+            self.participant_lines = participant_lines(logs)
+            self.server_urls = dict(stack.urls)
+            if self.keep_logs:
+                kept = self.workdir / "logs"
+                kept.mkdir(exist_ok=True)
+                for log in logs:
+                    with contextlib.suppress(OSError):
+                        shutil.copy(log, kept / log.name)
         if event == "crash":
             self._sample_once()  # the last CPU reading of the processes about to die
             self._stop_profiles()
@@ -284,7 +295,7 @@ class CoordinatorSpans:
         telemetry.bind(tracer_provider=provider)
 
     def prepare_stages(self) -> dict[str, float]:
-        """Seconds of each ``coordinate.prepare.<kind>`` stage of the last prepare; clears what was kept."""
+        """Seconds of each ``coordinate.prepare.<kind>`` stage of the last prepare."""
         if self.exporter is None:
             return {}
         stages = {}
@@ -292,8 +303,24 @@ class CoordinatorSpans:
         for span in self.exporter.get_finished_spans():
             if span.name.startswith(prefix) and not span.name.endswith(".call") and span.end_time and span.start_time:
                 stages[span.name[len(prefix) :]] = (span.end_time - span.start_time) / 1e9
-        self.exporter.clear()
         return stages
+
+    def call_seconds(self, operation: str) -> dict[str, float]:
+        """Seconds of the coordinator's last ``coordinate.<operation>.call`` to each server, by URL: the
+        controller's side of the call (sending, the server's queue and work, the reply)."""
+        if self.exporter is None:
+            return {}
+        calls = {}
+        name = f"gym.checkpoint.coordinate.{operation}.call"
+        for span in self.exporter.get_finished_spans():
+            url = (span.attributes or {}).get("nemo.gym.checkpoint.server")
+            if span.name == name and span.end_time and span.start_time and isinstance(url, str):
+                calls[url] = (span.end_time - span.start_time) / 1e9
+        return calls
+
+    def clear(self) -> None:
+        if self.exporter is not None:
+            self.exporter.clear()
 
 
 #: a participant's INFO line of one operation (gymckpt.telemetry): its seconds and what it reports in brackets

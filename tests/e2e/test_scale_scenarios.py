@@ -59,6 +59,10 @@ def test_a_few_hundred_rollouts_checkpointed_to_s3_come_back_equal(tmp_path: Pat
             assert 0 < memory.rss_before <= memory.peak, (phase, name, memory)
         assert sum(memory.records_bytes for memory in windows.values()) == run.bytes_written
     assert set(run.participant_lines["commit"]) == GYM
+    for phase in ("commit", "restore"):  # the controller's call to each server holds the server's own time
+        assert set(run.call_seconds[phase]) == GYM, run.call_seconds
+        for name, line in run.participant_lines[phase].items():
+            assert run.call_seconds[phase][name] >= float(line.partition(" ")[0]) - 0.01, (phase, name, line)
 
 
 def test_the_command_line_runs_scenario_b_and_writes_its_figures(tmp_path: Path) -> None:
