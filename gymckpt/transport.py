@@ -57,7 +57,7 @@ import aiohttp
 from gymckpt.errors import ReplyTooLarge
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
     from types import SimpleNamespace
 
 __all__ = [
@@ -262,14 +262,12 @@ def _trace_config() -> aiohttp.TraceConfig:
     async def reused(session: aiohttp.ClientSession, context: SimpleNamespace, params: Any) -> None:
         attempt = context.trace_request_ctx
         if isinstance(attempt, _Attempt):
-            attempt.connections += 1
-            attempt.reused = True
+            attempt.connected(reused=True)
 
     async def created(session: aiohttp.ClientSession, context: SimpleNamespace, params: Any) -> None:
         attempt = context.trace_request_ctx
         if isinstance(attempt, _Attempt):
-            attempt.connections += 1
-            attempt.reused = False
+            attempt.connected(reused=False)
 
     config.on_connection_reuseconn.append(reused)
     config.on_connection_create_end.append(created)
@@ -279,11 +277,18 @@ def _trace_config() -> aiohttp.TraceConfig:
 class _Attempt:
     """One :func:`request`'s connections, as the trace config saw them."""
 
-    __slots__ = ("connections", "reused")
+    __slots__ = ("connections", "on_connected", "reused")
 
-    def __init__(self) -> None:
+    def __init__(self, on_connected: Callable[[], None] | None = None) -> None:
         self.connections = 0
         self.reused = False
+        self.on_connected = on_connected
+
+    def connected(self, *, reused: bool) -> None:
+        self.connections += 1
+        self.reused = reused
+        if self.on_connected is not None:
+            self.on_connected()
 
 
 def client_session(
@@ -386,7 +391,13 @@ def _where(url: str) -> str:
 
 @asynccontextmanager
 async def request(
-    session: aiohttp.ClientSession, method: str, url: str, *, resend: bool | None = None, **options: Any
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    resend: bool | None = None,
+    on_connected: Callable[[], None] | None = None,
+    **options: Any,
 ) -> AsyncIterator[aiohttp.ClientResponse]:
     """``session.request(method, url, **options)`` as a context manager, sent once more where safe.
 
@@ -396,10 +407,14 @@ async def request(
     :data:`SAFE_METHODS`). Once in all: aiohttp sends a ``GET`` again by itself in that
     case, and then this does not. The resend is logged at INFO (method, host, path). A body
     must be bytes (or JSON), not a stream. Anything else is raised as aiohttp raised it.
+
+    ``on_connected`` is called each time the request has its connection (from the pool or
+    new), just before it is sent: a request still waiting for a free connection of a full
+    pool has not been called back.
     """
     if resend is None:
         resend = method.upper() in SAFE_METHODS
-    attempt = _Attempt()
+    attempt = _Attempt(on_connected)
     try:
         response = await session.request(method, url, trace_request_ctx=attempt, **options)
     except aiohttp.ClientError as exc:
@@ -411,6 +426,6 @@ async def request(
             _where(url),
             type(exc).__name__,
         )
-        response = await session.request(method, url, **options)
+        response = await session.request(method, url, trace_request_ctx=_Attempt(on_connected), **options)
     async with response:
         yield response

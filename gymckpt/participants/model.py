@@ -132,6 +132,10 @@ class ModelCall:
     #: the restored ledger row this call replays (None: none)
     replays: dict[str, Any] | None = None
     delivered: bool = False
+    #: whether the call's request may have reached the inference backend. A server that queues
+    #: calls before sending them (a full connection pool) admits them with ``sent=False`` and
+    #: sets it when the request goes out; a cut asks the backend only about sent calls
+    sent: bool = True
 
     @property
     def key(self) -> str:
@@ -182,16 +186,20 @@ class ModelParticipant(Participant):
         call_id: str = "",
         request_digest: str = "",
         constrained: str | None = None,
+        sent: bool = True,
     ) -> ModelCall:
         """Register a new call (state ``waiting``) after the data-path checks.
 
         A call of a retired attempt is refused (:class:`StaleAttempt`); one without a
         rollout prefix is admitted (an evaluation, a probe) but never cut or exported.
-        Every admitted call must be ended with :meth:`finish`.
+        Every admitted call must be ended with :meth:`finish`. ``sent=False``: the server
+        sets :attr:`ModelCall.sent` once the call's request goes out to the backend.
         """
         self._check(episode)
         self.served = True
-        call = ModelCall(episode, stream, call_id=call_id, request_digest=request_digest, constrained=constrained)
+        call = ModelCall(
+            episode, stream, call_id=call_id, request_digest=request_digest, constrained=constrained, sent=sent
+        )
         rollout = episode.rollout_id if episode is not None else None
         self._calls.setdefault(rollout, {})[call] = None
         self._counts[CallState.WAITING] += 1
@@ -371,6 +379,8 @@ class ModelParticipant(Participant):
             for call in undelivered:
                 call.cut, call.cut_failed, call.cut_prefix = None, False, None
             cuttable = [call for call in undelivered if call.constrained is None]
+        # a call still waiting to be sent has nothing at the backend to cut
+        cuttable = [call for call in cuttable if call.sent]
         if self.cut_source is None or not cuttable:
             return
         remaining = DEFAULT_CUT_SECONDS if self._deadline_ts is None else self._deadline_ts - time.time()

@@ -269,6 +269,7 @@ class Downstream:
         episode: EpisodeId | None = None,
         resend: bool = False,
         awaited: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> tuple[dict[str, Any], dict[str, str]]:
         """POST JSON; return the decoded reply and its headers (lower-cased names).
 
@@ -278,7 +279,9 @@ class Downstream:
         ``resend`` is a call whose reused connection the server closed before replying sent
         once more (:func:`gymckpt.transport.request`): a rollout's steps are not safe to
         send twice (a tool call would count twice, a ``/verify`` find its session ended).
-        ``awaited`` sends it on the lane of the calls a checkpoint waits for.
+        ``awaited`` sends it on the lane of the calls a checkpoint waits for. ``on_sent`` is
+        called once the call has its connection, just before it goes out (not while it waits
+        for one in a full pool).
         """
         url = self.url(base, path, episode)
         headers = {"Content-Type": "application/json"}
@@ -293,7 +296,13 @@ class Downstream:
             headers[RELAY_HEADER] = relayed
         try:
             async with transport.request(
-                self._client(awaited, base), "POST", url, resend=resend, data=orjson.dumps(body), headers=headers
+                self._client(awaited, base),
+                "POST",
+                url,
+                resend=resend,
+                on_connected=on_sent,
+                data=orjson.dumps(body),
+                headers=headers,
             ) as response:
                 stamped = response.cookies.get(COOKIE_NAME)
                 if stamped is not None and episode is not None and stamped.value:

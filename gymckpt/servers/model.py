@@ -444,6 +444,17 @@ def _packed(generated: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _sending(call: ModelCall | None) -> Callable[[], None] | None:
+    """What marks ``call`` sent once its request to the backend has a connection (None: no call)."""
+    if call is None:
+        return None
+
+    def sent() -> None:
+        call.sent = True
+
+    return sent
+
+
 def build_model_app(config: ModelServerConfig) -> FastAPI:
     """The policy model server's app; a participant only when the config enables checkpointing.
 
@@ -484,7 +495,9 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
         continuation = participant.continuation_for(call) if participant is not None and call is not None else None
         try:
             continued = {**body, "ng_capture": {"generation_cut": continuation}} if continuation else body
-            reply, _ = await inference.post(config.inference_url, "/generate", continued, episode=None)
+            reply, _ = await inference.post(
+                config.inference_url, "/generate", continued, episode=None, on_sent=_sending(call)
+            )
         except DownstreamError as exc:
             if continuation is None or exc.wire_code != GenerationCutMismatch.code:
                 raise
@@ -518,6 +531,7 @@ def build_model_app(config: ModelServerConfig) -> FastAPI:
                 call_id=body["call_id"],
                 request_digest=prompt_sha256,
                 constrained=constrained_decoding(request),
+                sent=False,  # set when its /generate call has a connection of the (bounded) pool
             )
         handed_over = False
         try:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from gymckpt.servers.inference import InferenceConfig, build_inference_app, cut_staging_key
 from gymckpt.store import open_store
 from gymckpt.testing.net import serve_in_loop
-from gymckpt.testing.time import bounded
+from gymckpt.testing.time import bounded, until
 
 from .model_support import TIMEOUT, inference_server, model_server, run
 
@@ -310,5 +310,37 @@ def test_a_replay_whose_staged_tokens_are_gone_is_generated_again_and_replaces_t
                 assert (logged["continued_from"], logged["generated"]) == (0, MAX_TOKENS)
                 assert [row["model_call_id"] for row in fresh.participant.ledger["r-a1"]] == ["r-a1:0"]
                 assert fresh.participant.status_extra()["replayed_calls"] == 0
+
+    run(main)
+
+
+def test_a_call_waiting_for_a_connection_to_the_backend_is_not_cut_and_its_episode_exports_nothing(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        async with (
+            inference_server(token_delay_seconds=0.002) as inference,
+            model_server(inference.url, max_tokens=MAX_TOKENS, data_connector_limit_per_host=1) as model,
+        ):
+            first = asyncio.create_task(model.respond("r1", REQUEST))
+            prefix = await _mid_way(inference.backend, "r1:0", 2)  # r1 holds the pool's one connection
+            second = asyncio.create_task(model.respond("r2", REQUEST))
+            participant = model.participant
+            await until(lambda: [call.state.value for call in participant.calls_of("r2")] == ["in_flight"])
+            assert [call.sent for call in participant.calls_of("r2")] == [False]
+            assert [call.sent for call in participant.calls_of("r1")] == [True]
+            counts = (await model.control("prepare", checkpoint_id="c1")).json()["report"]["counts"]
+            assert (counts["cut"], counts["cut_failed"]) == (1, 0)  # the backend was asked about r1 alone
+            committed = await model.control(
+                "commit", checkpoint_id="c1", checkpoint_dir=str(tmp_path / "ck"), episode_ids=["r1", "r2"]
+            )
+            assert committed.json()["episode_ids"] == ["r1"]  # r2 had nothing: it is called again after a crash
+            (record,) = open_store(str(tmp_path / "ck")).read_participant("", kind="model", instance="model-0")
+            assert record["generation_cuts"][0]["continuation"]["prefix_token_count"] == prefix
+            inference.backend.resume()
+            assert (await model.control("resume", checkpoint_id="c1")).status_code == 200
+            replies = [await bounded(first), await bounded(second)]
+            assert [reply.status_code for reply in replies] == [200, 200]
+            assert [call.sent for call in participant.calls_of("r2")] == []  # delivered and ended
 
     run(main)
