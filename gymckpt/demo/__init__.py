@@ -14,6 +14,8 @@
 - :mod:`gymckpt.demo.store_only`: ``--store-only``, the store alone: generated records of
   four participants written, published, verified and one scope restored, no servers.
 - :mod:`gymckpt.demo.report`: what a run found (``DemoOutcome``), the comparison, the table.
+- :mod:`gymckpt.demo.stacks`: the stacks of one demo run (start, watch, close), its logs
+  directory and store root, and the one-line failure a phase raises (``PhaseFailed``).
 - :mod:`gymckpt.demo.measure`: what the full demo reads back: where the exported rollouts
   stood, and the model calls a restore made again.
 

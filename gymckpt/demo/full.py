@@ -21,26 +21,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
-import shutil
-import signal
 import statistics
-import tempfile
 import time
-import traceback
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from rich.markup import escape
 
 from gymckpt.control.coordination import runs_to_await
 from gymckpt.demo.launch import TurnTrigger, launch_rollouts, past_first_turn
-from gymckpt.demo.measure import generation_tokens, held_model_calls, read_stages, redone_model_calls
+from gymckpt.demo.measure import generation_tokens, read_stages, redone_model_calls
 from gymckpt.demo.report import (
     EXIT_DIFFERS,
-    EXIT_OK,
     EXIT_SETUP,
     EXIT_TERMINATED,
     DemoOutcome,
@@ -54,13 +46,14 @@ from gymckpt.demo.report import (
     result_of,
     stage_summary,
 )
+from gymckpt.demo.stacks import DemoStacks, PhaseFailed, logs_showing_errors
 from gymckpt.identity import capture_key, split_capture_key
-from gymckpt.stack.harness import RolloutHarness, StackNotReady, StateSizes, default_stack_spec, task_for
+from gymckpt.stack.harness import RolloutHarness, StateSizes, task_for
 from gymckpt.store import verify
-from gymckpt.store.checkpoint_store import backend_for_url
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Coroutine
+    from collections.abc import Callable
+    from pathlib import Path
 
     from rich.console import Console
 
@@ -68,19 +61,8 @@ if TYPE_CHECKING:
 
 __all__ = ["run_demo"]
 
-T = TypeVar("T")
-
 #: how long the ``/run`` calls the environment ended before its export may take to reply
 _ENDED_RUNS_SECONDS = 10.0
-
-
-class _Failed(Exception):
-    """A phase failed: one line naming what failed, the exit code it gives, and the servers' log tails."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_DIFFERS, *, log_tails: str = "") -> None:
-        super().__init__(" ".join(message.split()))
-        self.exit_code = exit_code
-        self.log_tails = log_tails
 
 
 def run_demo(
@@ -157,8 +139,8 @@ def run_demo(
     return demo.outcome
 
 
-class _Demo:
-    """One run of the demo: both stacks, the controller's side, and what it measured."""
+class _Demo(DemoStacks):
+    """One run of the demo: its phases, driven through the stacks of :class:`DemoStacks`."""
 
     def __init__(
         self,
@@ -180,37 +162,31 @@ class _Demo:
         sizes: StateSizes | None = None,
         trigger: TurnTrigger | None = None,
     ) -> None:
+        super().__init__(
+            outcome=DemoOutcome(rollouts=rollouts, store_url=store_url, embedded_endpoint=embedded_endpoint),
+            store_url=store_url,
+            storage_options=storage_options,
+            sizes=sizes if sizes is not None else StateSizes.compact(),
+            stack_options=dict(stack_options or {}),
+            timeout=timeout,
+            logs_dir=logs_dir,
+            keep=keep,
+            observer=observer,
+        )
         self.progress = progress
-        self.sizes = sizes if sizes is not None else StateSizes.compact()
         self.trigger = trigger
-        self.stack_options = dict(stack_options or {})
         self.checkpoint_after = checkpoint_after
-        self._observer = observer
         self.workers = workers
         self.restore_workers = restore_workers
-        self.keep = keep
-        self.timeout = timeout
-        self.storage_options = storage_options
-        self.store_url = store_url
-        self.token = secrets.token_urlsafe(16)
-        self.outcome = DemoOutcome(rollouts=rollouts, store_url=store_url, embedded_endpoint=embedded_endpoint)
         first = seed * rollouts
         #: rollout id ("<task index>-0") → task
         self.tasks = {
             f"{first + i}-0": task_for(first + i, prompt_chars=self.sizes.prompt_chars) for i in range(rollouts)
         }
-        self._logs_parent = logs_dir
-        #: the stacks' configs and logs, made with the first stack; removed after a clean run
-        self.workdir: Path | None = None
-        self.harnesses: list[RolloutHarness] = []
-        self.coordinators: list[Coordinator] = []
-        self.kept_pids: dict[str, int] = {}
         #: the uninterrupted run's median rollout duration: the launch window of the interrupted run
         self.median_rollout = 1.0
         #: tasks not started before the checkpoint (a turn trigger reached during the launch)
         self.unlaunched: list[str] = []
-        #: every task the demo started: cancelled at cleanup, so none outlives it (an interrupt included)
-        self._spawned: set[asyncio.Task[Any]] = set()
 
     # --- the run
 
@@ -225,7 +201,7 @@ class _Demo:
             # SIGTERM (a scheduler, kill): the servers are stopped below, as for Ctrl-C; one line says so
             self.outcome.error = "stopped by SIGTERM; every server the demo started was stopped"
             self.outcome.exit_code = EXIT_TERMINATED
-        except _Failed as exc:
+        except PhaseFailed as exc:
             if exc.log_tails:
                 self.progress.console.print(exc.log_tails.strip("\n"), highlight=False, markup=False)
             self.outcome.error = str(exc)
@@ -236,24 +212,6 @@ class _Demo:
         finally:
             await self._cleanup()
             self.outcome.total_seconds = time.perf_counter() - began
-
-    def _stop_on_sigterm(self) -> asyncio.Event:
-        """SIGTERM cancels the demo (its servers are then stopped); the event tells it came."""
-        terminated = asyncio.Event()
-        task = asyncio.current_task()
-
-        def stop() -> None:
-            if terminated.is_set():  # stopping already: a second SIGTERM must not cut the cleanup short
-                return
-            terminated.set()
-            if task is not None:
-                task.cancel()
-
-        try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
-            pass
-        return terminated
 
     async def _phases(self) -> None:
         outcome = self.outcome
@@ -348,39 +306,9 @@ class _Demo:
         if not outcome.verified:
             problems.append("the checkpoint did not verify")
         if problems:
-            raise _Failed("; ".join(problems))
+            raise PhaseFailed("; ".join(problems))
 
     # --- phases
-
-    def _allowed_roots(self) -> list[str]:
-        """The store root: the servers may write checkpoints there and nowhere else."""
-        url = self.store_url
-        return [url.rstrip("/")] if "://" in url else [str(Path(url).expanduser().resolve())]
-
-    def _choose_checkpoint_dir(self) -> None:
-        """A new checkpoint directory under the store root; a root that cannot hold one is a setup failure."""
-        name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-        self.outcome.checkpoint_id = name
-        url = self.store_url
-        if "://" in url:
-            self.outcome.checkpoint_dir = f"{url.rstrip('/')}/{name}"
-        else:
-            root = Path(url).expanduser().resolve()
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise _Failed(f"cannot create the store root {root}: {exc}", EXIT_SETUP) from exc
-            if not os.access(root, os.W_OK | os.X_OK):
-                raise _Failed(f"the store root {root} is not writable", EXIT_SETUP)
-            self.outcome.checkpoint_dir = str(root / name)
-        try:
-            backend = backend_for_url(self.outcome.checkpoint_dir, **self.storage_options)
-            try:
-                backend.exists("gym")
-            finally:
-                backend.close()
-        except Exception as exc:
-            raise _Failed(f"cannot reach the store {self.outcome.checkpoint_dir}: {exc}", EXIT_SETUP) from exc
 
     async def _uninterrupted_run(self) -> dict[str, dict[str, Any] | None]:
         """Every task once on a fresh stack without a checkpoint: the results to reproduce."""
@@ -405,8 +333,8 @@ class _Demo:
             async with asyncio.timeout(self.timeout):
                 replies = await asyncio.gather(*(timed(key) for key in self.tasks))
         except TimeoutError as exc:
-            raise _Failed(
-                f"the uninterrupted run did not finish within {self.timeout:.0f} s{_logs_showing_errors(stack)}",
+            raise PhaseFailed(
+                f"the uninterrupted run did not finish within {self.timeout:.0f} s{logs_showing_errors(stack)}",
                 EXIT_SETUP,
                 log_tails=stack.log_tails(),
             ) from exc
@@ -414,9 +342,9 @@ class _Demo:
         reference = {key: result_of(reply) for key, reply in zip(self.tasks, replies, strict=True)}
         failed = [key for key, result in reference.items() if result is None]
         if failed:
-            raise _Failed(
+            raise PhaseFailed(
                 f"the uninterrupted run failed for {len(failed)} of {len(self.tasks)} rollouts "
-                f"(e.g. {failed[0]}): {failure_summary(replies)}{_logs_showing_errors(stack)}",
+                f"(e.g. {failed[0]}): {failure_summary(replies)}{logs_showing_errors(stack)}",
                 EXIT_SETUP,
                 log_tails=stack.log_tails(),
             )
@@ -443,9 +371,9 @@ class _Demo:
                     trigger=self.trigger,
                 )
         except TimeoutError as exc:
-            raise _Failed(
+            raise PhaseFailed(
                 f"the rollouts did not reach the checkpoint's moment within {self.timeout:.0f} s"
-                f"{_logs_showing_errors(stack)}",
+                f"{logs_showing_errors(stack)}",
                 log_tails=stack.log_tails(),
             ) from exc
         runs = launch.runs
@@ -469,8 +397,8 @@ class _Demo:
                 gym, outcome.checkpoint_id, outcome.checkpoint_dir, in_flight, deadline_seconds=self.timeout
             )
         except Exception as exc:
-            raise _Failed(
-                f"the checkpoint failed: {exc}{_logs_showing_errors(stack)}", log_tails=stack.log_tails()
+            raise PhaseFailed(
+                f"the checkpoint failed: {exc}{logs_showing_errors(stack)}", log_tails=stack.log_tails()
             ) from exc
         outcome.prepare_seconds, outcome.commit_seconds = done.prepare_seconds, done.commit_seconds
         outcome.restarts_reported = sorted(done.prepared.restarts())
@@ -481,7 +409,7 @@ class _Demo:
             if reply.kind == "environment":
                 environment = reply
         if environment is None:
-            raise _Failed("no environment participant committed")
+            raise PhaseFailed("no environment participant committed")
         exported = sorted(set(environment.episode_ids) & set(done.scope))
         outcome.exported = exported
         parts = " · ".join(f"{name} {size:,}" for name, size in sorted(outcome.bytes_by_participant.items()))
@@ -555,12 +483,14 @@ class _Demo:
             outcome.restore_seconds = restored.restore_seconds
             await gym.resume(outcome.checkpoint_id, time.time() + self.timeout)
         except Exception as exc:
-            raise _Failed(f"the restore failed: {exc}") from exc
+            raise PhaseFailed(f"the restore failed: {exc}") from exc
         expected = {capture_key(key, 1) for key in exported}
         for url, reply in restored.replies.items():
             if gym.kinds[url].kind == "environment" and set(reply.restored) != expected:
                 missing = sorted(expected - set(reply.restored))
-                raise _Failed(f"the environment restored {len(reply.restored)} of {len(expected)} rollouts: {missing}")
+                raise PhaseFailed(
+                    f"the environment restored {len(reply.restored)} of {len(expected)} rollouts: {missing}"
+                )
         self.progress(
             f"restored {_n(len(exported), 'rollout')} in {outcome.restore_seconds:.3f} s "
             "(installed under attempt 1), every participant resumed"
@@ -581,7 +511,7 @@ class _Demo:
             try:
                 await gym.retire(to_restart, checkpoint_id=checkpoint_id, deadline_ts=time.time() + self.timeout)
             except Exception as exc:
-                raise _Failed(f"retiring the old attempts of the restarted rollouts failed: {exc}") from exc
+                raise PhaseFailed(f"retiring the old attempts of the restarted rollouts failed: {exc}") from exc
         unlaunched = set(self.unlaunched)
         order = [*exported, *to_restart, *self.unlaunched]
 
@@ -605,7 +535,7 @@ class _Demo:
             try:
                 await gym.forget(order, checkpoint_id=checkpoint_id, deadline_ts=time.time() + self.timeout)
             except Exception as exc:
-                raise _Failed(f"forgetting the finished rollouts failed: {exc}") from exc
+                raise PhaseFailed(f"forgetting the finished rollouts failed: {exc}") from exc
         failed = [key for key in order if results[key] is None]
         self.progress(
             f"continued {_n(len(outcome.continued), 'rollout')} from their boundaries and started "
@@ -625,7 +555,7 @@ class _Demo:
         try:
             report = await asyncio.to_thread(verify, self.outcome.checkpoint_dir, **self.storage_options)
         except Exception as exc:
-            raise _Failed(f"verify could not read the checkpoint: {exc}") from exc
+            raise PhaseFailed(f"verify could not read the checkpoint: {exc}") from exc
         self.outcome.verify_seconds = time.perf_counter() - began
         self.outcome.verify_report = report
         self.progress(
@@ -633,134 +563,6 @@ class _Demo:
             f"({len(report.errors)} errors, {len(report.warnings)} warnings, "
             f"{report.records_checked} records re-hashed in {self.outcome.verify_seconds:.3f} s)"
         )
-
-    async def _keep(self, stack: RolloutHarness) -> None:
-        """Leave the demo stack running (``--keep``): its URLs and process groups for the report."""
-        self.outcome.kept_urls = dict(stack.urls)
-        self.harnesses.remove(stack)  # not closed by _cleanup
-        self.kept_pids = await stack.detach()
-
-    # --- helpers
-
-    def _keep_traceback(self) -> str:
-        """Write the exception being handled to the logs directory; the note saying where (or nothing)."""
-        if self.workdir is None:
-            return ""
-        path = self.workdir / "traceback.txt"
-        try:
-            path.write_text(traceback.format_exc())
-        except OSError:
-            return ""
-        return f" (an unexpected error: its traceback is in {path})"
-
-    async def _worker_counts(self, stack: RolloutHarness, gym: Coordinator) -> dict[str, int]:
-        """Each Gym server's linked workers, as its status says (1 for a single process)."""
-        counts = {}
-        for name in stack.gym_servers:
-            try:
-                status = await gym.status(stack.urls[name])
-            except Exception as exc:
-                raise _Failed(f"the status of {name} failed: {exc}") from exc
-            counts[name] = int(status.get("workers", 1))
-        return counts
-
-    async def _start_stack(
-        self, label: str, storage_options: dict[str, Any] | None = None, *, workers: int = 1
-    ) -> RolloutHarness:
-        if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="gymckpt-demo-", dir=self._logs_parent))
-            self.outcome.logs_dir = str(self.workdir)
-        workdir = self.workdir / label
-        workdir.mkdir(parents=True, exist_ok=True)
-        spec = default_stack_spec(
-            token=self.token,
-            storage_options=storage_options or None,
-            allowed_roots=self._allowed_roots(),
-            workers=workers,
-            **{"sizes": self.sizes, **self.stack_options},
-        )
-        try:
-            stack = await RolloutHarness.open(spec, workdir=workdir, request_timeout=self.timeout)
-        except Exception as exc:
-            raise _Failed(f"the {label} stack did not start: {exc}", EXIT_SETUP) from exc
-        self.harnesses.append(stack)
-        self._note_pids(stack)
-        return stack
-
-    def _note_pids(self, stack: RolloutHarness) -> None:
-        for pid in stack.pids.values():
-            if pid not in self.outcome.server_pids:
-                self.outcome.server_pids.append(pid)
-
-    async def _wait_up(self, stack: RolloutHarness, label: str) -> Coordinator:
-        """Every Gym server discovered and the inference backend reached, or a failure naming why (and the logs)."""
-        exit_code = EXIT_SETUP if label != "demo (restarted)" else EXIT_DIFFERS
-        try:
-            gym = await stack.wait_ready(timeout=self.timeout)
-        except StackNotReady as exc:
-            raise _Failed(
-                f"the {label} stack did not come up: {exc}{_logs_showing_errors(stack)}",
-                exit_code,
-                log_tails=stack.log_tails(exc.exited),
-            ) from exc
-        self.coordinators.append(gym)
-        self._observe(f"started:{label}", stack)
-        return gym
-
-    def _observe(self, event: str, stack: RolloutHarness) -> None:
-        if self._observer is not None:
-            self._observer(event, stack)
-
-    async def _model_call_count(self, stack: RolloutHarness) -> int:
-        """The length of the inference backend's call log; 0 if it cannot be read (it only feeds a count)."""
-        try:
-            return await stack.model_call_count()
-        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError):
-            return 0
-
-    async def _model_calls(self, stack: RolloutHarness) -> list[dict[str, Any]]:
-        """The inference backend's call log; empty if it cannot be read (it only feeds a count)."""
-        try:
-            calls = await stack.model_calls()
-        except (aiohttp.ClientError, TimeoutError):
-            return []
-        return calls if isinstance(calls, list) else []
-
-    async def _held_calls(self, exported: list[str], completed: list[dict[str, Any]]) -> set[str]:
-        """The model calls the checkpoint held (:func:`held_model_calls`); the demo fails if it cannot tell."""
-        try:
-            return await asyncio.to_thread(
-                held_model_calls, self.outcome.checkpoint_dir, self.storage_options, exported, completed
-            )
-        except Exception as exc:
-            raise _Failed(f"reading the checkpoint's model records failed: {exc}") from exc
-
-    async def _close_stack(self, stack: RolloutHarness) -> None:
-        if stack in self.harnesses:
-            self.harnesses.remove(stack)
-        await stack.close()
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        task = asyncio.create_task(coroutine)
-        self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
-        return task
-
-    async def _cleanup(self) -> None:
-        pending = [task for task in self._spawned if not task.done()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for gym in self.coordinators:
-            await gym.close()
-        for stack in list(self.harnesses):
-            try:
-                await self._close_stack(stack)
-            except Exception:  # keep closing the others
-                pass
-        if self.workdir is not None and self.outcome.exit_code == EXIT_OK and not self.keep:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            self.outcome.logs_dir = ""
 
 
 def _outcome_of(task: asyncio.Task[Any]) -> Any:
@@ -771,19 +573,6 @@ def _outcome_of(task: asyncio.Task[Any]) -> Any:
     if task.cancelled():
         return "cancelled"
     return task.exception() or task.result()
-
-
-def _logs_showing_errors(stack: RolloutHarness) -> str:
-    """`` (errors in environment.log, …)``: the servers' logs that show an error, to name on the failure line."""
-    names = []
-    for server in stack.stack.servers.values():
-        try:
-            text = server.log_path.read_text(errors="replace")
-        except OSError:
-            continue
-        if "Error" in text or "Traceback" in text:
-            names.append(server.log_path.name)
-    return f" (errors in {', '.join(names)})" if names else ""
 
 
 def _differ(count: int) -> str:

@@ -61,6 +61,7 @@ from gymckpt.demo.report import (
     compare_results,
     result_of,
 )
+from gymckpt.demo.stacks import PhaseFailed
 from gymckpt.stack.harness import StateSizes
 
 if TYPE_CHECKING:
@@ -358,7 +359,7 @@ def _child_s3(bucket: str) -> Iterator[dict[str, Any]]:
     try:
         url = server.stdout.readline().decode().strip()
         if not url.startswith("http://"):
-            raise _Failed(f"moto's S3 server did not start (exit {server.wait(30)})", EXIT_SETUP)
+            raise PhaseFailed(f"moto's S3 server did not start (exit {server.wait(30)})", EXIT_SETUP)
         yield {"endpoint_url": url, "key": DUMMY_KEY, "secret": DUMMY_SECRET, "region": "us-east-1"}
     finally:
         server.stdin.close()
@@ -405,7 +406,7 @@ async def _phases(
     outcome.uninterrupted_seconds = time.perf_counter() - began
     reference = {key: result_of(reply) for key, reply in zip(tasks, replies, strict=True)}
     if any(result is None for result in reference.values()):
-        raise _Failed("the uninterrupted run failed for some rollouts", EXIT_SETUP)
+        raise PhaseFailed("the uninterrupted run failed for some rollouts", EXIT_SETUP)
     progress(f"uninterrupted run: {rollouts} rollouts in {outcome.uninterrupted_seconds:.1f} s")
     # the same backend serves both runs: the turn trigger must count only the second run's rollouts
     await harness.reset_model_calls()
@@ -515,13 +516,7 @@ async def _phases(
     outcome.lost, outcome.differing = compare_results(reference, finals)
     progress(f"{outcome.continued} continued, {outcome.started_over} started over; compared with the uninterrupted run")
     if outcome.lost or outcome.differing:
-        raise _Failed(f"{len(outcome.lost)} rollouts lost, {len(outcome.differing)} different")
-
-
-class _Failed(Exception):
-    def __init__(self, message: str, exit_code: int = EXIT_DIFFERS) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+        raise PhaseFailed(f"{len(outcome.lost)} rollouts lost, {len(outcome.differing)} different")
 
 
 def controller_main(argv: list[str]) -> int:
@@ -532,7 +527,7 @@ def controller_main(argv: list[str]) -> int:
     progress = Progress(Console(stderr=True, highlight=False, soft_wrap=True))
     try:
         asyncio.run(asyncio.wait_for(_controller(request, outcome, progress), 10 * float(request["timeout"])))
-    except _Failed as exc:
+    except PhaseFailed as exc:
         outcome.error, outcome.exit_code = str(exc), exc.exit_code
     except BaseException as exc:  # one line in the table; the traceback here
         traceback.print_exc()
