@@ -107,11 +107,15 @@ class DriverRun:
     result: dict[str, Any] | None
     #: True when it outlived its bound and was stopped
     timed_out: bool = False
+    #: why its result file could not be read (a file cut short, not a JSON object), or ""
+    unreadable: str = ""
 
     def failure(self, bound: float) -> str:
         """Why there is no result, in one line (for a run that has none)."""
         if self.timed_out:
             return f"the controller did not finish within {bound:g} s and was stopped"
+        if self.unreadable:
+            return f"the controller exited {self.returncode} with a result file that is {self.unreadable}"
         return f"the controller exited {self.returncode} without a result"
 
 
@@ -149,8 +153,25 @@ def run_driver(
             except subprocess.TimeoutExpired:
                 driver.kill()
                 driver.wait()
-    result = json.loads(result_file.read_text()) if result_file.exists() else None
-    return DriverRun(returncode=driver.returncode, result=result, timed_out=timed_out)
+    result, unreadable = _read_result(result_file)
+    return DriverRun(returncode=driver.returncode, result=result, timed_out=timed_out, unreadable=unreadable)
+
+
+def _read_result(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """A driver's result file as a JSON object, or None and why not ("" when it wrote none)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, f"unreadable ({exc})"
+    try:
+        result = json.loads(text)
+    except ValueError as exc:
+        return None, f"not JSON ({exc})"
+    if not isinstance(result, dict):
+        return None, f"not a JSON object (a {type(result).__name__})"
+    return result, ""
 
 
 def _has_fd(stream: IO[Any]) -> bool:

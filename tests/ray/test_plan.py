@@ -211,6 +211,8 @@ import json, signal, sys
 request = json.loads(open(sys.argv[-2]).read())
 if request["then"] == "answer":
     open(sys.argv[-1], "w").write(json.dumps({"echo": request["value"]}))
+elif request["then"] == "cut short":
+    open(sys.argv[-1], "w").write(json.dumps({"echo": request["value"]})[:-3])
 elif request["then"] == "hang":
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print("hanging", flush=True)
@@ -224,6 +226,11 @@ sys.exit(request.get("status", 0))
     [
         ({"then": "answer", "value": 7}, 60.0, (0, {"echo": 7}, False, None)),
         ({"then": "exit", "status": 3}, 60.0, (3, None, False, "the controller exited 3 without a result")),
+        (
+            {"then": "cut short", "value": 7, "status": 1},
+            60.0,
+            (1, None, False, "the controller exited 1 with a result file that is not JSON ("),
+        ),
         ({"then": "hang"}, 0.5, (-15, None, True, "the controller did not finish within 0.5 s and was stopped")),
     ],
 )
@@ -237,4 +244,4 @@ def test_a_driver_is_run_to_its_result_or_stopped_past_its_bound(
     returncode, result, timed_out, failure = expected
     assert (run.returncode, run.result, run.timed_out) == (returncode, result, timed_out)
     if failure is not None:
-        assert run.failure(bound) == failure
+        assert run.failure(bound).startswith(failure), run.failure(bound)
