@@ -12,21 +12,39 @@ that arrives during one waits that long, once per server of the prepare's chain.
 - :func:`tune_collector` raises the collection thresholds of a server process
   (``GYMCKPT_GC_THRESHOLDS``: three integers, or ``python`` for Python's own): the young
   generations are still collected often, a full collection only every few million
-  allocations, as the heap's growth also allows (Python's 25% rule).
+  allocations, as the heap's growth also allows (Python's 25% rule). It also has every
+  collection that takes :data:`LONG_COLLECTION_SECONDS` or more logged (INFO, logger
+  ``gymckpt.gc_pause``): a control call that waited behind one shows up next to it in the
+  server's log.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["GC_THRESHOLDS_ENV", "SERVER_GC_THRESHOLDS", "pause_gc", "paused_gc", "tune_collector"]
+__all__ = [
+    "GC_THRESHOLDS_ENV",
+    "LONG_COLLECTION_SECONDS",
+    "SERVER_GC_THRESHOLDS",
+    "log_long_collections",
+    "pause_gc",
+    "paused_gc",
+    "tune_collector",
+]
+
+logger = logging.getLogger(__name__)
+
+#: a collection that takes this long, in seconds, is logged
+LONG_COLLECTION_SECONDS = 0.1
 
 #: the variable that sets a server's collection thresholds: ``"t0,t1,t2"``, or ``python`` for Python's defaults
 GC_THRESHOLDS_ENV = "GYMCKPT_GC_THRESHOLDS"
@@ -127,4 +145,28 @@ def tune_collector() -> tuple[int, int, int]:
     thresholds = collector_thresholds(os.environ.get(GC_THRESHOLDS_ENV))
     if thresholds is not None:
         gc.set_threshold(*thresholds)
+    log_long_collections()
     return gc.get_threshold()  # type: ignore[return-value]
+
+
+def log_long_collections(threshold: float = LONG_COLLECTION_SECONDS) -> None:
+    """Log each collection of this process that takes ``threshold`` seconds or more (installed once)."""
+    if any(getattr(callback, "_gymckpt_long_collections", False) for callback in gc.callbacks):
+        return
+    began: list[float] = []
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[:] = [time.perf_counter()]
+        elif began:
+            took = time.perf_counter() - began.pop()
+            if took >= threshold:
+                logger.info(
+                    "the cyclic GC's generation %d collection took %.3f s (%d objects collected)",
+                    info.get("generation", -1),
+                    took,
+                    info.get("collected", 0),
+                )
+
+    timed._gymckpt_long_collections = True  # type: ignore[attr-defined]
+    gc.callbacks.append(timed)

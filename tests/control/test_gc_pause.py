@@ -109,3 +109,24 @@ async def test_a_failed_prepare_ends_its_pause(fake: FakeParticipant) -> None:
         await bounded(plane.prepare(_request("c2", time.time() + 10.0)))
     assert plane.phase is Phase.IDLE and gc.isenabled()
     await plane.close()
+
+
+def test_a_long_collection_is_logged_with_its_generation_and_seconds(caplog: pytest.LogCaptureFixture) -> None:
+    def ours() -> list[object]:
+        return [callback for callback in gc.callbacks if getattr(callback, "_gymckpt_long_collections", False)]
+
+    kept = ours()
+    for callback in kept:
+        gc.callbacks.remove(callback)
+    try:
+        gc_pause.log_long_collections(threshold=0.0)  # every collection counts as long
+        gc_pause.log_long_collections(threshold=0.0)  # installed once
+        assert len(ours()) == 1
+        with caplog.at_level("INFO", logger="gymckpt.gc_pause"):
+            gc.collect()
+        lines = [record.getMessage() for record in caplog.records if record.name == "gymckpt.gc_pause"]
+        assert any(line.startswith("the cyclic GC's generation 2 collection took ") for line in lines), lines
+    finally:
+        for callback in ours():
+            gc.callbacks.remove(callback)
+        gc.callbacks.extend(kept)
