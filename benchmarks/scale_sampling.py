@@ -319,6 +319,7 @@ class CoordinatorSpans:
         return calls
 
     def clear(self) -> None:
+        """Forget the spans kept so far (the next run's start from none)."""
         if self.exporter is not None:
             self.exporter.clear()
 

@@ -11,13 +11,14 @@ Every ``/v1/responses`` call is tracked under its capture key through four state
   readiness: a response half on the wire cannot be taken back.
 
 Generation cuts. Closing admission (prepare) asks the inference backend, through
-:attr:`ModelParticipant.cut_source`, to cut every undelivered call of an episode at a
-durable token prefix, within half of the remaining deadline (:meth:`note_deadline`); the
-backend holds a cut generation at its prefix until resume (:attr:`release_source`), so
-after a crash no token past the prefix was generated and is generated again. A
-call with constrained decoding (:attr:`ModelCall.constrained`) is never cut; a cut that
-fails leaves the call held and the checkpoint valid (it is generated again after a
-crash). Counts: ``cut``, ``cut_failed``, ``cut_skipped``.
+:attr:`ModelParticipant.cut_source`, to cut every undelivered call of an episode that
+has been sent to it (:attr:`ModelCall.sent`) at a durable token prefix, within half of
+the remaining deadline (:meth:`note_deadline`); the backend holds a cut generation at its
+prefix until resume (:attr:`release_source`), so after a crash no token past the prefix
+was generated and is generated again. A call with constrained decoding
+(:attr:`ModelCall.constrained`) is never cut; a cut that fails leaves the call held and
+the checkpoint valid (it is generated again after a crash). Counts: ``cut``,
+``cut_failed``, ``cut_skipped``.
 
 The capture ledger. Each delivered call leaves a row ``{model_call_id, request_digest,
 staging_key, tokens, response_digest, …}`` under its capture key (:meth:`ModelParticipant.delivered`;
