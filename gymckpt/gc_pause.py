@@ -7,8 +7,9 @@ collection traverses all of them: 0.4 to 1.2 s on a busy two-core machine, measu
 that arrives during one waits that long, once per server of the prepare's chain.
 
 - :func:`paused_gc` pauses the collector for a block (the store's decode, a coordinator's
-  fan-out); :func:`pause_gc` pauses it until the returned release is called (a control
-  plane's open checkpoint, bounded by its lease). Pauses nest and count across threads.
+  fan-out); :func:`pause_gc` pauses it until the returned pause is released, or at the
+  latest after a bound kept by a timer thread (a control plane's open checkpoint, from
+  prepare to resume; a worker's closed admission). Pauses nest and count across threads.
 - :func:`tune_collector` raises the collection thresholds of a server process
   (``GYMCKPT_GC_THRESHOLDS``: three integers, or ``python`` for Python's own): the young
   generations are still collected often, a full collection only every few million
@@ -29,11 +30,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
 
 __all__ = [
     "GC_THRESHOLDS_ENV",
     "LONG_COLLECTION_SECONDS",
+    "GCPause",
     "SERVER_GC_THRESHOLDS",
     "log_long_collections",
     "pause_gc",
@@ -112,17 +114,61 @@ def paused_gc() -> Iterator[None]:
         _GC_PAUSE.exit()
 
 
-def pause_gc() -> Callable[[], None]:
-    """Pause Python's cyclic GC until the returned release is called (calling it again does nothing)."""
-    _GC_PAUSE.enter()
-    released = threading.Event()
+class GCPause:
+    """One pause of Python's cyclic GC, ended by :meth:`release` or, at the latest, after its bound.
 
-    def release() -> None:
-        if not released.is_set():
-            released.set()
-            _GC_PAUSE.exit()
+    The bound runs on a timer thread of its own, so a pause whose release never comes (a
+    checkpoint nobody resumes, an event loop that stopped) still ends: :attr:`expired` is set
+    and one INFO line names what was paused.
+    """
 
-    return release
+    def __init__(self, max_seconds: float | None = None, what: str = "") -> None:
+        self.what = what
+        self.max_seconds = max_seconds
+        #: set when the bound ended the pause (not a release)
+        self.expired = threading.Event()
+        self._lock = threading.Lock()
+        self._open = True
+        _GC_PAUSE.enter()
+        self._timer: threading.Timer | None = None
+        if max_seconds is not None:
+            self._timer = threading.Timer(max_seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.name = "gymckpt-gc-pause-bound"
+            self._timer.start()
+
+    def _end(self) -> bool:
+        with self._lock:
+            if not self._open:
+                return False
+            self._open = False
+        _GC_PAUSE.exit()
+        return True
+
+    def _expire(self) -> None:
+        if self._end():
+            self.expired.set()
+            logger.info(
+                "the cyclic GC runs again after %g s although %s is still open",
+                self.max_seconds,
+                self.what or "its pause",
+            )
+
+    def release(self) -> None:
+        """End the pause (again: nothing)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._end()
+
+    __call__ = release
+
+
+def pause_gc(max_seconds: float | None = None, what: str = "") -> GCPause:
+    """Pause Python's cyclic GC until the returned pause is released (called), or ``max_seconds`` passed.
+
+    ``what`` names the pause in the line logged when the bound ends it.
+    """
+    return GCPause(max_seconds, what)
 
 
 def collector_thresholds(text: str | None) -> tuple[int, int, int] | None:

@@ -43,7 +43,7 @@ from gymckpt.errors import (
     StaleCheckpoint,
     UnsupportedStorage,
 )
-from gymckpt.gc_pause import paused_gc
+from gymckpt.gc_pause import GCPause, pause_gc, paused_gc
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.store import WriteStop
 from gymckpt.store.codec import EncodedRecord, EncodedRecords
@@ -62,7 +62,14 @@ if TYPE_CHECKING:
     from gymckpt.control.participant import Participant
     from gymckpt.store import CheckpointStore
 
-__all__ = ["LEASE_RETRY_SECONDS", "MAX_BLOCKERS", "REMEMBERED_CHECKPOINTS", "ControlPlane", "readiness_report"]
+__all__ = [
+    "LEASE_RETRY_SECONDS",
+    "MAX_BLOCKERS",
+    "OPEN_GC_PAUSE_SECONDS",
+    "REMEMBERED_CHECKPOINTS",
+    "ControlPlane",
+    "readiness_report",
+]
 
 logger = logging.getLogger("gymckpt.control")
 
@@ -71,6 +78,8 @@ LEASE_RETRY_SECONDS = 30.0
 MAX_BLOCKERS = 100
 #: how long a prepare waits for admission to close even when its deadline has passed
 CLOSE_GRACE_SECONDS = 5.0
+#: the longest an open checkpoint keeps the cyclic GC paused, in seconds (a checkpoint takes one or two)
+OPEN_GC_PAUSE_SECONDS = 15.0
 
 
 @dataclass
@@ -87,6 +96,8 @@ class _Checkpoint:
     #: the exported records, kept for ``park_exported`` when a commit asks to stop
     exported: list[dict[str, Any]] = field(default_factory=list)
     parked: bool = False
+    #: the cyclic GC's pause from prepare until this checkpoint ends (bounded: :data:`OPEN_GC_PAUSE_SECONDS`)
+    gc_pause: GCPause | None = None
 
 
 class ControlPlane(RestoreRoutes):
@@ -265,6 +276,8 @@ class ControlPlane(RestoreRoutes):
         if self._open is None:
             self._fresh = False
             checkpoint = self._open = _Checkpoint(request.checkpoint_id)
+            # no full collection of a large heap between the checkpoint's calls either (gymckpt.gc_pause)
+            checkpoint.gc_pause = pause_gc(OPEN_GC_PAUSE_SECONDS, f"checkpoint {request.checkpoint_id!r}")
             self.phase = Phase.PREPARING
             self._extend_lease(request.deadline_ts)
             self.participant.note_deadline(request.deadline_ts)
@@ -297,7 +310,7 @@ class ControlPlane(RestoreRoutes):
             await self.participant.open_admission()
         if self._open is not None:
             self._remember_resumed(self._open.checkpoint_id)
-        self._open = None
+            self._end_open(self._open)
         self.phase = Phase.IDLE
         self.lease_expires_at = None
 
@@ -516,9 +529,16 @@ class ControlPlane(RestoreRoutes):
         await self._within(deadline_ts, self.participant.open_admission(), "reopening admission")
         self._remember_resumed(checkpoint.checkpoint_id)
         self._export_failed.discard(checkpoint.checkpoint_id)
-        self._open = None
+        self._end_open(checkpoint)
         self.phase = Phase.IDLE
         self.lease_expires_at = None
+
+    def _end_open(self, checkpoint: _Checkpoint) -> None:
+        """``checkpoint`` is no longer open: forget it and end its pause of the cyclic GC."""
+        if self._open is checkpoint:
+            self._open = None
+        if checkpoint.gc_pause is not None:
+            checkpoint.gc_pause.release()
 
     async def retire(self, request: RetireRequest) -> RetireReply:
         """Mark first, then stop, wait for and free the attempts."""
@@ -611,7 +631,9 @@ class ControlPlane(RestoreRoutes):
         return True
 
     async def close(self) -> None:
-        """Stop the lease watcher (server shutdown)."""
+        """Stop the lease watcher and end an open checkpoint's pause of the cyclic GC (server shutdown)."""
+        if self._open is not None and self._open.gc_pause is not None:
+            self._open.gc_pause.release()
         if self._lease_task is not None:
             self._lease_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

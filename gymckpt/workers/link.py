@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gymckpt.control._tasks import close_store
-from gymckpt.control.plane import readiness_report
+from gymckpt.control.plane import OPEN_GC_PAUSE_SECONDS, readiness_report
 from gymckpt.errors import CoordinatorUnavailable, GymckptError, InvalidPhase, InvalidRequest, RetireIncomplete
-from gymckpt.gc_pause import paused_gc
+from gymckpt.gc_pause import GCPause, pause_gc, paused_gc
 from gymckpt.identity import AttemptsUpTo, first_keys
 from gymckpt.store.manifest import Manifest
 from gymckpt.workers import messages
@@ -154,6 +154,8 @@ class WorkerLink:
         self._export_stream: int | None = None
         #: the records of the restore stream being received, until ``install``
         self._staging = InstallStaging()
+        #: the cyclic GC's pause while admission is closed (bounded like a control plane's open checkpoint)
+        self._gc_pause: GCPause | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.on_routes = on_routes
         #: whether the coordinator holds restored whole-episode records (then a new episode claims first)
@@ -226,6 +228,7 @@ class WorkerLink:
         if channel is not None:
             await channel.close()
         self._staging.drop()  # no install can come now: let the collector run again
+        self._end_gc_pause()
         watcher = self._watcher
         if watcher is not None and watcher is not asyncio.current_task():
             await asyncio.gather(watcher, return_exceptions=True)
@@ -242,6 +245,7 @@ class WorkerLink:
         self._channel = None
         self._stop_polling()
         self._staging.drop()  # a stream of a lost coordinator never completes
+        self._end_gc_pause()
         self.on_coordinator_lost()
 
     def _serve(self, channel: Channel) -> None:
@@ -308,6 +312,8 @@ class WorkerLink:
         self.generation = generation
         self.accepting = False
         self._last_sent = None
+        if self._gc_pause is None:  # no full collection of a large heap until admission opens (gymckpt.gc_pause)
+            self._gc_pause = pause_gc(OPEN_GC_PAUSE_SECONDS, f"checkpoint {checkpoint_id!r} (admission closed)")
         await self.participant.close_admission(checkpoint_id)
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll(), name="gymckpt-report-poll")
@@ -320,9 +326,15 @@ class WorkerLink:
                 await self._close_locally(_field(body, "checkpoint_id", str), _field(body, "generation", int))
             return self._numbered(local_report(self.participant))
 
+    def _end_gc_pause(self) -> None:
+        pause, self._gc_pause = self._gc_pause, None
+        if pause is not None:
+            pause.release()
+
     async def _open_locally(self) -> None:
         self.accepting = True
         self._last_sent = None
+        self._end_gc_pause()
         self._exported, self._export_stream = [], None
         self._staging.drop()  # an unfinished restore stream (a failed restore reopens admission)
         self._stop_polling()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from gymckpt import gc_pause
-from gymckpt.control.models import ControlRequest, Phase
+from gymckpt.control.models import CommitRequest, ControlRequest, Phase
 from gymckpt.control.plane import ControlPlane
 from gymckpt.testing.time import bounded
 
@@ -86,7 +86,7 @@ def test_tune_collector_sets_the_thresholds_and_python_keeps_them(monkeypatch: p
         gc.set_threshold(*before)
 
 
-async def test_the_collector_is_paused_while_a_prepare_runs_and_on_again_after(fake: FakeParticipant) -> None:
+async def test_the_collector_is_paused_from_prepare_until_resume(fake: FakeParticipant, ckpt_dir: str) -> None:
     plane = ControlPlane(fake)
     fake.start("a")
     fake.close_gate = asyncio.Event()  # the close waits for the test
@@ -95,10 +95,49 @@ async def test_the_collector_is_paused_while_a_prepare_runs_and_on_again_after(f
     assert not gc.isenabled()  # the prepare is under way, the collector paused
     fake.close_gate.set()
     reply = await bounded(prepare)
-    assert reply.phase is Phase.PREPARED and gc.isenabled()
+    assert reply.phase is Phase.PREPARED and not gc.isenabled()  # the checkpoint is open: still paused
+    commit = CommitRequest(checkpoint_id="c1", deadline_ts=time.time() + 60.0, checkpoint_dir=ckpt_dir)
+    assert (await bounded(plane.commit(commit))).record_count == 1
+    assert not gc.isenabled()
     await bounded(plane.resume(_request("c1", time.time() + 60.0)))
     assert gc.isenabled()
     await plane.close()
+
+
+async def test_an_expired_lease_and_a_closed_plane_end_the_open_checkpoints_pause(fake: FakeParticipant) -> None:
+    plane = ControlPlane(fake)
+    await bounded(plane.prepare(_request("c1", time.time() + 60.0)))
+    assert not gc.isenabled()
+    plane.lease_expires_at = plane.clock() - 1.0  # as if the controller vanished
+    assert await bounded(plane.expire_lease())
+    assert plane.phase is Phase.IDLE and gc.isenabled()
+    await bounded(plane.prepare(_request("c2", time.time() + 60.0)))
+    assert not gc.isenabled()
+    await plane.close()  # the server shuts down with a checkpoint open
+    assert gc.isenabled()
+
+
+def test_a_bounded_pause_ends_by_itself_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="gymckpt.gc_pause"):
+        pause = gc_pause.pause_gc(0.01, "checkpoint 'c9'")
+        assert pause.expired.wait(10.0), "the bound never ended the pause"
+    assert gc.isenabled() and gc_pause._GC_PAUSE.pauses == 0
+    pause.release()  # after its bound: nothing
+    assert gc_pause._GC_PAUSE.pauses == 0
+    lines = [record.getMessage() for record in caplog.records if record.name == "gymckpt.gc_pause"]
+    assert lines == ["the cyclic GC runs again after 0.01 s although checkpoint 'c9' is still open"]
+
+
+def test_a_released_pause_is_not_ended_again_by_its_bound() -> None:
+    pause = gc_pause.pause_gc(30.0, "checkpoint 'c8'")
+    other = gc_pause.pause_gc()
+    pause.release()
+    assert not gc.isenabled()  # the other pause still holds it
+    assert pause._timer is not None
+    pause._timer.join(10.0)  # cancelled: its thread ends without ending any pause
+    assert not pause._timer.is_alive()
+    other.release()
+    assert gc.isenabled() and not pause.expired.is_set()
 
 
 async def test_a_failed_prepare_ends_its_pause(fake: FakeParticipant) -> None:

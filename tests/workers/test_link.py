@@ -186,3 +186,20 @@ async def test_a_worker_closed_for_a_lost_coordinator_reopens_when_it_joins_an_o
             await bounded(one.link.disconnect())
             await bounded(server.close())
             await plane.close()
+
+
+async def test_a_worker_pauses_the_collector_while_closed_and_ends_the_pause_on_open_or_a_lost_coordinator(
+    tmp_path: Path,
+) -> None:
+    async with cluster(tmp_path, 2) as running:
+        one, two = running.workers
+        assert (await one.call("prepare", request("c1"))).json()["phase"] == "prepared"
+        assert all(worker.link._gc_pause is not None for worker in running.workers)
+        assert (await one.call("resume", request("c1"))).status_code == 200
+        assert [worker.link._gc_pause for worker in running.workers] == [None, None]
+        assert (await one.call("prepare", request("c2"))).json()["phase"] == "prepared"
+        pause = two.link._gc_pause
+        assert pause is not None
+        await bounded(running.server.close())  # the coordinator goes away while the workers are closed
+        await until(lambda: two.lost == ["lost"], message="on_coordinator_lost never called")
+        assert two.link._gc_pause is None and not pause.expired.is_set()  # released, not ended by its bound
