@@ -22,7 +22,9 @@
  * append_lines(records, batch, filled, target, seen, ids[, longest]) -> (filled, ended, record[, longest])
  *     write_records' loop for the records encode_line writes: lines appended to a bytearray, ids
  *     to a set and a list, until a target size, the iterator's end, or a record left to Python;
- *     with longest, the longest line written so far too.
+ *     with longest, the longest line written so far too. Pre-encoded records (the type
+ *     configure_encoded names) whose line passes codec.check_encoded's look are appended as
+ *     they are; the others are left to Python.
  * decode_line(line) -> (episode_id, record) | None
  *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes
  *     and whose objects hold no key twice; None where the Python code decides.
@@ -657,6 +659,77 @@ encode_line(PyObject *module, PyObject *record)
     return pair_or_none(encoded, episode_id, line);
 }
 
+/* ---- pre-encoded records (codec.EncodedRecord): taken as they are where their look passes ---- */
+
+static PyObject *encoded_type = NULL; /* codec.EncodedRecord, from configure_encoded */
+
+static PyObject *
+configure_encoded(PyObject *module, PyObject *type)
+{
+    (void)module;
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "configure_encoded(type): a tuple type (codec.EncodedRecord)");
+        return NULL;
+    }
+    Py_XSETREF(encoded_type, Py_NewRef(type));
+    Py_RETURN_NONE;
+}
+
+static const char fast_prefix[] = "{\"episode_id\":\""; /* codec.FAST_PREFIX */
+#define FAST_PREFIX_LENGTH 15
+
+/* 1 when the line starts with the fast prefix */
+static inline int
+has_fast_prefix(const char *bytes, Py_ssize_t length)
+{
+    return length > FAST_PREFIX_LENGTH && memcmp(bytes, fast_prefix, FAST_PREFIX_LENGTH) == 0;
+}
+
+/* 1 when the line's leading token is exactly '"' + the id's UTF-8 + '"' (how orjson writes an id
+ * without a quote, a backslash or a control character); 0 otherwise, never an error */
+static int
+leads_with(const char *bytes, Py_ssize_t length, PyObject *episode_id)
+{
+    Py_ssize_t size;
+    const char *text = PyUnicode_AsUTF8AndSize(episode_id, &size);
+    if (text == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    for (Py_ssize_t index = 0; index < size; index++) {
+        unsigned char c = (unsigned char)text[index];
+        if (c < 0x20 || c == '"' || c == '\\') {
+            return 0;
+        }
+    }
+    return length > FAST_PREFIX_LENGTH + size && has_fast_prefix(bytes, length) &&
+           memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 && bytes[FAST_PREFIX_LENGTH + size] == '"';
+}
+
+/* A pre-encoded record as codec.check_encoded accepts it: 1 with new references in *episode_id and
+ * *line, 0 where the Python code decides (and raises, if it must): anything but a (str, bytes)
+ * pair whose line is one line ending with its newline, led by orjson's token of that id (leads_with). */
+static int
+take_encoded(PyObject *record, PyObject **episode_id_out, PyObject **line_out)
+{
+    if (PyTuple_GET_SIZE(record) != 2) {
+        return 0;
+    }
+    PyObject *episode_id = PyTuple_GET_ITEM(record, 0), *line = PyTuple_GET_ITEM(record, 1);
+    if (!PyUnicode_CheckExact(episode_id) || !PyBytes_CheckExact(line)) {
+        return 0;
+    }
+    const char *data = PyBytes_AS_STRING(line);
+    Py_ssize_t length = PyBytes_GET_SIZE(line);
+    if (length == 0 || data[length - 1] != '\n' || memchr(data, '\n', (size_t)(length - 1)) != NULL ||
+        !leads_with(data, length, episode_id)) {
+        return 0;
+    }
+    *episode_id_out = Py_NewRef(episode_id);
+    *line_out = Py_NewRef(line);
+    return 1;
+}
+
 /* the lines append_lines writes between two moments it lets other threads take the interpreter
  * (the records writer hashing and writing the chunks handed over before): C code that never
  * returns to the interpreter otherwise keeps it for a whole chunk */
@@ -709,7 +782,9 @@ append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         PyObject *episode_id, *line;
-        int encoded = encode_pair(record, &episode_id, &line);
+        int encoded = encoded_type != NULL && (PyObject *)Py_TYPE(record) == encoded_type
+                          ? take_encoded(record, &episode_id, &line)
+                          : encode_pair(record, &episode_id, &line);
         if (encoded < 0) {
             Py_DECREF(record);
             return NULL;
@@ -776,37 +851,6 @@ configure_decoder(PyObject *module, PyObject *loads)
     }
     Py_XSETREF(orjson_loads, Py_NewRef(loads));
     Py_RETURN_NONE;
-}
-
-static const char fast_prefix[] = "{\"episode_id\":\""; /* codec.FAST_PREFIX */
-#define FAST_PREFIX_LENGTH 15
-
-/* 1 when the line starts with the fast prefix */
-static inline int
-has_fast_prefix(const char *bytes, Py_ssize_t length)
-{
-    return length > FAST_PREFIX_LENGTH && memcmp(bytes, fast_prefix, FAST_PREFIX_LENGTH) == 0;
-}
-
-/* 1 when the line's leading token is exactly '"' + the id's UTF-8 + '"' (how orjson writes an id
- * without a quote, a backslash or a control character); 0 otherwise, never an error */
-static int
-leads_with(const char *bytes, Py_ssize_t length, PyObject *episode_id)
-{
-    Py_ssize_t size;
-    const char *text = PyUnicode_AsUTF8AndSize(episode_id, &size);
-    if (text == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    for (Py_ssize_t index = 0; index < size; index++) {
-        unsigned char c = (unsigned char)text[index];
-        if (c < 0x20 || c == '"' || c == '\\') {
-            return 0;
-        }
-    }
-    return length > FAST_PREFIX_LENGTH + size && has_fast_prefix(bytes, length) &&
-           memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 && bytes[FAST_PREFIX_LENGTH + size] == '"';
 }
 
 /* ---- no key twice in one object ----
@@ -1227,6 +1271,9 @@ static PyMethodDef methods[] = {
      "separators=(',', ': ')) and a newline, byte for byte; None for what it leaves to the Python path."},
     {"configure_encoder", (PyCFunction)(void (*)(void))configure_encoder, METH_FASTCALL,
      "configure_encoder(dumps, default, option) -> None: how encode_line calls orjson."},
+    {"configure_encoded", configure_encoded, METH_O,
+     "configure_encoded(type) -> None: the type of pre-encoded records (codec.EncodedRecord) append_lines takes as "
+     "they are."},
     {"encode_line", encode_line, METH_O,
      "encode_line(record) -> (episode_id, line) | None: codec.encode_record's answer for a record it writes "
      "without Python code; None where the Python code decides."},

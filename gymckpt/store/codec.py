@@ -346,6 +346,10 @@ class EncodedRecords:
         raise NotImplementedError
 
 
+if _walks.ACCELERATOR is not None and hasattr(_walks.ACCELERATOR, "configure_encoded"):  # one built before it had it
+    _walks.ACCELERATOR.configure_encoded(EncodedRecord)  # append_lines takes their lines as check_encoded would
+
+
 def encoded(record: dict[str, Any]) -> EncodedRecord:
     """``record`` encoded once, to be handed to the store (or over a socket) as it is."""
     return EncodedRecord(*encode_record(record))

@@ -25,7 +25,7 @@ import pytest
 from gymckpt import errors
 from gymckpt.errors import NotJSONError
 from gymckpt.store import codec
-from gymckpt.store.codec import InvalidRecord, encode_record, encoded
+from gymckpt.store.codec import EncodedRecord, InvalidRecord, encode_record, encoded
 from gymckpt.store.records import RecordsCheck, RecordsSummary, read_records, write_records
 from gymckpt.testing.values import assert_identical, sample_records
 
@@ -40,6 +40,7 @@ needs_accelerator = pytest.mark.skipif(_exact is None, reason="gymckpt.store._ex
 
 if _exact is not None:  # configured here too: with GYMCKPT_PURE_PYTHON=1 the codec leaves it alone
     _exact.configure_encoder(codec.orjson.dumps, codec._refuse, codec._LINE_OPTIONS)
+    _exact.configure_encoded(codec.EncodedRecord)
     _exact.configure_decoder(codec.orjson.loads)
 
 
@@ -101,6 +102,14 @@ BAD_SEQUENCES = {
     "empty_id": lambda rs: [rs[0], {"episode_id": ""}],
     "tuple_value": lambda rs: [rs[0], rs[1], {"episode_id": "t", "v": (1, 2)}],
     "set_value": lambda rs: [rs[0], {"episode_id": "s", "v": {1}}],
+    "encoded_other_id": lambda rs: [encoded(rs[0]), EncodedRecord("r9", encoded(rs[1]).line)],
+    "encoded_id_prefix": lambda rs: [EncodedRecord("r", encoded(rs[1]).line)],
+    "encoded_two_lines": lambda rs: [rs[0], EncodedRecord("r1", encoded(rs[1]).line + b"{}\n")],
+    "encoded_no_newline": lambda rs: [rs[0], EncodedRecord("r1", encoded(rs[1]).line[:-1])],
+    "encoded_bytearray": lambda rs: [rs[0], EncodedRecord("r1", bytearray(encoded(rs[1]).line))],
+    "encoded_id_not_str": lambda rs: [rs[0], EncodedRecord(1, encoded(rs[1]).line)],  # type: ignore[arg-type]
+    "encoded_empty_line": lambda rs: [rs[0], EncodedRecord("r1", b"")],
+    "encoded_no_id": lambda rs: [rs[0], EncodedRecord("r1", b'{"v":1}\n')],
 }
 
 
@@ -154,6 +163,41 @@ def test_append_lines_leaves_a_record_to_python_with_nothing_of_it_written(left:
     # the next call goes on after it
     filled, ended, returned = _exact.append_lines(pending, batch, filled, 1 << 20, seen, ids)
     assert ended and returned is None and ids == ["e0", "e1", "e2", "e3"]
+
+
+#: pre-encoded records whose lines the Python loop accepts: orjson's, an exact one, ids with escapes
+ENCODED_ACCEPTED = {
+    "plain": {"episode_id": "e-1", "v": [1, 2]},
+    "non_ascii_id": {"episode_id": "é-ü", "v": 1},
+    "quote_in_id": {"episode_id": 'a"b', "v": 1},
+    "backslash_in_id": {"episode_id": "a\\b", "v": 1},
+    "control_in_id": {"episode_id": "a\u0001b", "v": 1},
+    "exact_line": {"episode_id": "nan", "v": float("nan")},
+}
+
+
+@needs_accelerator
+@pytest.mark.parametrize("name", sorted(ENCODED_ACCEPTED))
+def test_both_loops_write_a_pre_encoded_line_as_it_is(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    record = encoded(ENCODED_ACCEPTED[name])
+    records = [{"episode_id": "first"}, record, encoded({"episode_id": "last"})]
+    with_c = _write(records, 4096, c_loop=True, monkeypatch=monkeypatch)
+    assert with_c == _write(records, 4096, c_loop=False, monkeypatch=monkeypatch)
+    summary, _, data = with_c
+    assert data.splitlines(keepends=True)[1] == record.line
+    assert summary.episode_ids == ["first", record.episode_id, "last"]
+
+
+@needs_accelerator
+def test_append_lines_takes_pre_encoded_lines_itself_and_leaves_escaped_ids_to_python() -> None:
+    plain = [encoded(record) for record in _fast(3)]
+    escaped = encoded({"episode_id": 'q"uote', "v": 1})
+    pending = iter([*plain, escaped, encoded({"episode_id": "after"})])
+    batch, seen, ids = bytearray(), set(), []
+    filled, ended, left = _exact.append_lines(pending, batch, 0, 1 << 20, seen, ids)
+    assert not ended and left is escaped  # an id orjson escapes: the Python code reads its token
+    assert bytes(batch[:filled]) == b"".join(record.line for record in plain)
+    assert ids == ["e0", "e1", "e2"] and seen == {"e0", "e1", "e2"}
 
 
 @needs_accelerator
