@@ -26,6 +26,7 @@ from gymckpt.errors import DownstreamError, GymckptError, SettingsError
 from gymckpt.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
+from gymckpt.store.codec import exact_size
 from gymckpt.workers.process import ENV_RUNTIME, ENV_WORKERS, install_worker
 from gymckpt.workers.routing import COOKIE_NAME
 
@@ -301,7 +302,7 @@ class Downstream:
                 url,
                 resend=resend,
                 on_connected=on_sent,
-                data=orjson.dumps(body),
+                data=exact_size(orjson.dumps(body)),  # held while the call is in flight, often for seconds
                 headers=headers,
             ) as response:
                 stamped = response.cookies.get(COOKIE_NAME)

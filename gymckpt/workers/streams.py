@@ -4,7 +4,7 @@ Commit: a worker's ``export`` reply names its records (``[episode_id, owner]``, 
 so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line moves. The
 store's writer then iterates :class:`GatheredLines` on its own thread: for each worker in
 turn the coordinator asks for the kept records (``send_records``), the worker encodes them
-(each once, :func:`gymckpt.store.codec.encoded`) into chunks of about :data:`CHUNK_BYTES`
+(each once, :func:`gymckpt.store.codec.encode_record`, copied into the chunk at once) into chunks of about :data:`CHUNK_BYTES`
 (:func:`encode_export_chunk`) and sends each as ``export_chunk``, its lines as bytes beside
 the JSON; a chunk is answered as it arrives while few wait for the writer, else once the writer
 takes it (:class:`LinePipe`): the coordinator holds a few chunks, never the records, and a
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, InvalidRequest
 from gymckpt.gc_pause import pause_gc
-from gymckpt.store.codec import EncodedRecord, EncodedRecords, decode_line, encoded
+from gymckpt.store.codec import EncodedRecord, EncodedRecords, decode_line, encode_record
 from gymckpt.workers.gather import ExportedRecord
 from gymckpt.workers.placement import is_routing_id, is_whole_episode
 
@@ -73,22 +73,23 @@ def encode_export_chunk(
     ``owner`` is set on session records, which carry it in the line too.
     """
     pairs: list[Line] = []
-    lines: list[bytes] = []
-    size = 0
+    # each line is copied into the chunk at once: orjson's output keeps its whole buffer while it lives
+    # (gymckpt.store.codec.exact_size), so a list of a chunk's lines took up to 30 times the chunk
+    chunk = bytearray()
     index = start
-    while index < len(records) and size < limit:
+    while index < len(records) and len(chunk) < limit:
         if index in skip:
             index += 1
             continue
         record = records[index]
         session_owner = owner_of(kind, record, owner)
         stamped = record if session_owner is None else {**record, "owner": session_owner}
-        episode_id, line = encoded(stamped)
-        size += len(line)
+        episode_id, line = encode_record(stamped)
+        chunk += line
+        del line
         pairs.append([episode_id, session_owner])
-        lines.append(line)
         index += 1
-    return pairs, b"".join(lines), index
+    return pairs, bytes(chunk), index
 
 
 def exported_records(pairs: object, blob: object, who: str) -> list[ExportedRecord]:

@@ -18,6 +18,7 @@ import io
 import itertools
 import json
 import random
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -503,3 +504,17 @@ def test_decode_lines_refuses_arguments_of_the_wrong_types() -> None:
             _exact.decode_lines(b"ab", start, limit, [])
     with pytest.raises(TypeError, match="decode_lines"):
         _exact.decode_lines(b"x", 0, 1, [], 1.0)
+
+
+def test_an_encoded_line_takes_its_own_length_in_memory_however_long_it_is_kept() -> None:
+    record = {"episode_id": "e1", "text": "x" * 3000}
+    tracemalloc.start()
+    try:
+        kept = [encoded(record) for _ in range(50)]
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    length = len(kept[0].line)
+    assert kept[0].line == encode_record(record)[1]
+    # orjson's own output of this record keeps a buffer of about twelve times its length
+    assert held < 50 * (length + 256), (held, length)
