@@ -373,6 +373,8 @@ class ControlPlane(RestoreRoutes):
             reply = await self._within(request.deadline_ts, asyncio.shield(task), "the commit")
         if request.stop:
             await self._park_exported(checkpoint, request.deadline_ts)
+            if checkpoint.gc_pause is not None:  # the controller stops: no resume ends this checkpoint
+                checkpoint.gc_pause.release()
         return reply
 
     async def _park_exported(self, checkpoint: _Checkpoint, deadline_ts: float) -> None:

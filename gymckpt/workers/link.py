@@ -509,6 +509,7 @@ class WorkerLink:
     async def _on_park(self, body: object) -> dict[str, Any]:
         wanted = set(_keys(body, "episode_ids"))
         await self.participant.park_exported([record for record in self._exported if record["episode_id"] in wanted])
+        self._end_gc_pause()  # the controller stops after this checkpoint: no open ends it
         return {}
 
     async def _on_delete_restored(self, body: object) -> dict[str, Any]:

@@ -169,3 +169,15 @@ def test_a_long_collection_is_logged_with_its_generation_and_seconds(caplog: pyt
         for callback in ours():
             gc.callbacks.remove(callback)
         gc.callbacks.extend(kept)
+
+
+async def test_a_commit_that_stops_the_controller_ends_the_pause_at_once(fake: FakeParticipant, ckpt_dir: str) -> None:
+    plane = ControlPlane(fake)
+    fake.start("a")
+    await bounded(plane.prepare(_request("c1", time.time() + 60.0)))
+    assert not gc.isenabled()
+    stop = CommitRequest(checkpoint_id="c1", deadline_ts=time.time() + 60.0, checkpoint_dir=ckpt_dir, stop=True)
+    assert (await bounded(plane.commit(stop))).record_count == 1
+    assert gc.isenabled()  # parked for good: nothing would resume it
+    assert plane.phase is Phase.COMMITTED
+    await plane.close()

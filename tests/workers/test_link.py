@@ -165,6 +165,7 @@ async def test_delete_restored_and_park_reach_every_worker(tmp_path: Path) -> No
         records = await bounded(running.coordinator.export(None))
         await bounded(running.coordinator.park_exported(records))
         assert [worker.fake.arguments("park") for worker in running.workers] == [[["p1"]], [["p2"]]]
+        assert [worker.link._gc_pause for worker in running.workers] == [None, None]  # parked: the pause ended
 
 
 async def test_a_worker_closed_for_a_lost_coordinator_reopens_when_it_joins_an_open_one(tmp_path: Path) -> None:
