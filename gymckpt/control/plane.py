@@ -12,14 +12,12 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gymckpt import telemetry
-from gymckpt.control._tasks import close_store, settled, spawn, succeeded
+from gymckpt.control._tasks import settled, spawn
 from gymckpt.control.allowed_roots import normalize_location, open_allowed_store
 from gymckpt.control.models import (
-    CommitReply,
     ForgetReply,
     Phase,
     PrepareReply,
@@ -29,6 +27,7 @@ from gymckpt.control.models import (
     RetireReply,
     StatusReply,
 )
+from gymckpt.control.plane_commit import CommitRoutes, OpenCheckpoint
 from gymckpt.control.plane_restore import OpenRestore, RestoreRoutes
 from gymckpt.control.restore_source import RESTORE_CHECKS
 from gymckpt.errors import (
@@ -38,15 +37,12 @@ from gymckpt.errors import (
     ExportFailed,
     GymckptError,
     InvalidPhase,
-    RestartInScope,
     RetireIncomplete,
     StaleCheckpoint,
     UnsupportedStorage,
 )
-from gymckpt.gc_pause import GCPause, pause_gc, paused_gc
+from gymckpt.gc_pause import pause_gc, paused_gc
 from gymckpt.identity import AttemptsUpTo, first_keys
-from gymckpt.store import WriteStop
-from gymckpt.store.codec import EncodedRecord, EncodedRecords
 from gymckpt.store.layout import check_name
 
 if TYPE_CHECKING:
@@ -54,7 +50,6 @@ if TYPE_CHECKING:
 
     from gymckpt.control.marks import RetireMarks
     from gymckpt.control.models import (
-        CommitRequest,
         ControlRequest,
         ForgetRequest,
         RetireRequest,
@@ -82,25 +77,7 @@ CLOSE_GRACE_SECONDS = 5.0
 OPEN_GC_PAUSE_SECONDS = 15.0
 
 
-@dataclass
-class _Checkpoint:
-    """What one open checkpoint has done so far."""
-
-    checkpoint_id: str
-    stop: WriteStop = field(default_factory=WriteStop)
-    closing: asyncio.Task[None] | None = None
-    export_task: asyncio.Task[list[dict[str, Any]]] | None = None
-    commit_task: asyncio.Task[CommitReply] | None = None
-    commit_args: tuple[str, tuple[str, ...] | None] | None = None
-    committed: CommitReply | None = None
-    #: the exported records, kept for ``park_exported`` when a commit asks to stop
-    exported: list[dict[str, Any]] = field(default_factory=list)
-    parked: bool = False
-    #: the cyclic GC's pause from prepare until this checkpoint ends (bounded: :data:`OPEN_GC_PAUSE_SECONDS`)
-    gc_pause: GCPause | None = None
-
-
-class ControlPlane(RestoreRoutes):
+class ControlPlane(CommitRoutes, RestoreRoutes):
     """Drives one :class:`Participant` through checkpoints on behalf of a controller.
 
     Parameters
@@ -135,7 +112,7 @@ class ControlPlane(RestoreRoutes):
         self.clock = clock
         self.phase = Phase.IDLE
         self.lease_expires_at: float | None = None
-        self._open: _Checkpoint | None = None
+        self._open: OpenCheckpoint | None = None
         self._resumed: deque[str] = deque(maxlen=REMEMBERED_CHECKPOINTS)
         self._export_failed: set[str] = set()
         self._fresh = True
@@ -189,7 +166,7 @@ class ControlPlane(RestoreRoutes):
         if checkpoint_id in self._resumed:
             raise StaleCheckpoint(f"checkpoint {checkpoint_id!r} was already resumed")
 
-    def _open_checkpoint(self, checkpoint_id: str) -> _Checkpoint:
+    def _open_checkpoint(self, checkpoint_id: str) -> OpenCheckpoint:
         """The open checkpoint named ``checkpoint_id``, or the refusal that fits."""
         self._check_not_stale(checkpoint_id)
         current = self._open
@@ -275,7 +252,7 @@ class ControlPlane(RestoreRoutes):
             raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
         if self._open is None:
             self._fresh = False
-            checkpoint = self._open = _Checkpoint(request.checkpoint_id)
+            checkpoint = self._open = OpenCheckpoint(request.checkpoint_id)
             # no full collection of a large heap between the checkpoint's calls either (gymckpt.gc_pause)
             checkpoint.gc_pause = pause_gc(OPEN_GC_PAUSE_SECONDS, f"checkpoint {request.checkpoint_id!r}")
             self.phase = Phase.PREPARING
@@ -297,7 +274,7 @@ class ControlPlane(RestoreRoutes):
                 self.phase = Phase.PREPARED
         return PrepareReply(phase=self.phase, report=self._report())
 
-    async def _close_admission(self, checkpoint: _Checkpoint) -> None:
+    async def _close_admission(self, checkpoint: OpenCheckpoint) -> None:
         try:
             await self.participant.close_admission(checkpoint.checkpoint_id)
         except BaseException:
@@ -340,152 +317,6 @@ class ControlPlane(RestoreRoutes):
         assert self.lease_expires_at is not None
         return RenewReply(phase=self.phase, checkpoint_id=request.checkpoint_id, lease_expires_at=self.lease_expires_at)
 
-    async def commit(self, request: CommitRequest) -> CommitReply:
-        """Export once, store, clean up (the cyclic GC paused meanwhile)."""
-        with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
-            return await self._commit(request)
-
-    async def _commit(self, request: CommitRequest) -> CommitReply:
-        """Export once, store through the store, delete unscoped restored state."""
-        self._check_not_stale(request.checkpoint_id)
-        if request.checkpoint_id in self._export_failed:
-            raise ExportFailed(f"checkpoint {request.checkpoint_id!r} failed its export; resume and prepare a new id")
-        checkpoint = self._open_checkpoint(request.checkpoint_id)
-        scope = None if request.episode_ids is None else tuple(sorted(set(request.episode_ids)))
-        args = (request.checkpoint_dir, scope)
-        if checkpoint.commit_args is not None and checkpoint.commit_args != args:
-            raise CheckpointConflict(
-                f"checkpoint {request.checkpoint_id!r} is being committed with another directory or scope"
-            )
-        self._extend_lease(request.deadline_ts)
-        reply = checkpoint.committed
-        if reply is None:
-            task = checkpoint.commit_task
-            if task is None or (task.done() and not succeeded(task)):
-                if task is None:
-                    self._check_commit_start(checkpoint, request)
-                store = self._store_for(request.checkpoint_dir)
-                checkpoint.commit_args = args
-                task = spawn(
-                    self._run_commit(checkpoint, store, None if scope is None else list(scope)), "gymckpt-commit"
-                )
-                checkpoint.commit_task = task
-            reply = await self._within(request.deadline_ts, asyncio.shield(task), "the commit")
-        if request.stop:
-            await self._park_exported(checkpoint, request.deadline_ts)
-            if checkpoint.gc_pause is not None:  # the controller stops: no resume ends this checkpoint
-                checkpoint.gc_pause.release()
-        return reply
-
-    async def _park_exported(self, checkpoint: _Checkpoint, deadline_ts: float) -> None:
-        """The controller stops after this checkpoint: let the participant free what it exported.
-
-        Once per checkpoint; a failure is logged and the commit still succeeds.
-        """
-        if checkpoint.parked:
-            return
-        checkpoint.parked = True
-        try:
-            await self._within(deadline_ts, self.participant.park_exported(checkpoint.exported), "parking")
-        except Exception:
-            logger.warning("parking the exported state of %s failed", checkpoint.checkpoint_id, exc_info=True)
-
-    def _check_commit_start(self, checkpoint: _Checkpoint, request: CommitRequest) -> None:
-        restarts = set(self.participant.restarts()).intersection(request.episode_ids or ())
-        if restarts:
-            raise RestartInScope(f"the scope names restarts, which are never exported: {sorted(restarts)[:10]}")
-        if self.phase is Phase.PREPARING and not self.participant.ready():
-            raise InvalidPhase(
-                f"not prepared: {self.participant.blocker_count()} executions are not at a boundary; prepare again"
-            )
-        if not self.participant.ready():
-            self._export_failed.add(checkpoint.checkpoint_id)
-            logger.warning(
-                "checkpoint %s: readiness regressed after prepare; the export failed", checkpoint.checkpoint_id
-            )
-            raise ExportFailed("readiness regressed after prepare; resume and prepare a new checkpoint id")
-        self.phase = Phase.PREPARED
-
-    async def _run_commit(
-        self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str] | None
-    ) -> CommitReply:
-        """The commit task: export (once), store, clean up; the store it was given is closed at its end."""
-        try:
-            return await self._commit_into(checkpoint, store, scope)
-        finally:
-            await close_store(store)
-
-    async def _commit_into(
-        self, checkpoint: _Checkpoint, store: CheckpointStore, scope: list[str] | None
-    ) -> CommitReply:
-        if checkpoint.export_task is None:
-            checkpoint.export_task = spawn(self._export(scope), "gymckpt-export")
-        try:
-            records = await checkpoint.export_task
-        except asyncio.CancelledError:
-            self._export_failed.add(checkpoint.checkpoint_id)
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-            raise ExportFailed("the export was cancelled by resume; prepare a new checkpoint id") from None
-        except Exception as exc:
-            self._export_failed.add(checkpoint.checkpoint_id)
-            logger.warning("checkpoint %s: the export failed: %s", checkpoint.checkpoint_id, exc)
-            raise ExportFailed(f"the export failed: {exc}") from exc
-        participant = self.participant
-        with telemetry.step("write", records=len(records)) as step:
-            manifest = await asyncio.to_thread(
-                store.write_participant,
-                "",
-                kind=participant.kind,
-                instance=participant.instance,
-                checkpoint_id=checkpoint.checkpoint_id,
-                records=records,
-                extra=participant.manifest_extra(),
-                stop=checkpoint.stop,
-            )
-            step.set(bytes=manifest.records_bytes)
-        telemetry.volume(
-            "commit", kind=participant.kind, records=manifest.record_count, size_bytes=manifest.records_bytes
-        )
-        if scope is not None:  # no scope: nothing restored is left out, nothing is deleted
-            unscoped = sorted(self._restored_keys.difference(scope))
-            if unscoped:
-                with telemetry.step("cleanup", episodes=len(unscoped)):
-                    await participant.delete_restored(unscoped)
-            self._restored_keys.intersection_update(scope)
-        checkpoint.exported = records
-        reply = CommitReply(
-            phase=Phase.COMMITTED,
-            manifest=manifest.to_document(),
-            episode_ids=sorted(
-                records.episode_ids
-                if isinstance(records, EncodedRecords)
-                else (_episode_of(record) for record in records)
-            ),
-            kind=participant.kind,
-            instance=participant.instance,
-            checkpoint_id=checkpoint.checkpoint_id,
-            checkpoint_dir=store.url,
-            manifest_path=manifest.path,
-            manifest_sha256=manifest.sha256,
-            records_file=manifest.records_file,
-            record_count=manifest.record_count,
-            records_bytes=manifest.records_bytes,
-            **participant.commit_reply_extra(),
-        )
-        checkpoint.committed = reply
-        if self._open is checkpoint:
-            self.phase = Phase.COMMITTED
-        return reply
-
-    async def _export(self, scope: list[str] | None) -> list[dict[str, Any]]:
-        with telemetry.step("export") as step:
-            exported = await self.participant.export(scope)
-            records = exported if isinstance(exported, EncodedRecords) else list(exported)  # streamed: kept as is
-            step.set(records=len(records))
-        return records
-
     async def resume(self, request: ControlRequest) -> ResumeReply:
         """End the open checkpoint or restore (the cyclic GC paused meanwhile)."""
         with paused_gc():  # no full collection of a large heap meanwhile (gymckpt.gc_pause)
@@ -517,7 +348,7 @@ class ControlPlane(RestoreRoutes):
             return ResumeReply(phase=self.phase, idempotent=True, checkpoint_id=checkpoint_id)
         return ResumeReply(phase=self.phase, idempotent=False, checkpoint_id=checkpoint_id)
 
-    async def _end_checkpoint(self, checkpoint: _Checkpoint, deadline_ts: float) -> None:
+    async def _end_checkpoint(self, checkpoint: OpenCheckpoint, deadline_ts: float) -> None:
         if checkpoint.export_task is not None and not checkpoint.export_task.done():
             checkpoint.export_task.cancel()
         # stop() takes the writer's lock: it returns once no manifest of this checkpoint can appear
@@ -535,7 +366,7 @@ class ControlPlane(RestoreRoutes):
         self.phase = Phase.IDLE
         self.lease_expires_at = None
 
-    def _end_open(self, checkpoint: _Checkpoint) -> None:
+    def _end_open(self, checkpoint: OpenCheckpoint) -> None:
         """``checkpoint`` is no longer open: forget it and end its pause of the cyclic GC."""
         if self._open is checkpoint:
             self._open = None
@@ -669,8 +500,3 @@ def readiness_report(participant: Participant) -> PrepareReport:
         counts=participant.counts(),
         restarts=participant.restarts(),
     )
-
-
-def _episode_of(record: dict[str, Any] | EncodedRecord) -> str:
-    """The capture key of an exported record: a dict, or a line encoded elsewhere (a worker's)."""
-    return record.episode_id if type(record) is EncodedRecord else str(record["episode_id"])
