@@ -4,11 +4,11 @@ Commit: a worker's ``export`` reply names its records (``[episode_id, owner]``, 
 so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line moves. The
 store's writer then iterates :class:`GatheredLines` on its own thread: for each worker in
 turn the coordinator asks for the kept records (``send_records``), the worker encodes them
-(each once, :func:`gymckpt.store.codec.encode_record`, copied into the chunk at once) into chunks of about :data:`CHUNK_BYTES`
-(:func:`encode_export_chunk`) and sends each as ``export_chunk``, its lines as bytes beside
-the JSON; a chunk is answered as it arrives while few wait for the writer, else once the writer
-takes it (:class:`LinePipe`): the coordinator holds a few chunks, never the records, and a
-worker holds one chunk beside its live state.
+(each once, :func:`gymckpt.store.codec.encode_record`, each line copied into its chunk at once)
+into chunks of about :data:`CHUNK_BYTES` (:func:`encode_export_chunk`) and sends each as
+``export_chunk``, its lines as bytes beside the JSON; a chunk is answered as it arrives while
+few wait for the writer, else once the writer takes it (:class:`LinePipe`): the coordinator
+holds a few chunks, never the records, and a worker holds one chunk beside its live state.
 
 Restore: each worker reads its share from the records file itself (``install_share``), or the
 coordinator sends it as it reads the file (``install_chunk``, :mod:`gymckpt.workers.scatter`).
