@@ -74,7 +74,7 @@ def encode_export_chunk(
     """
     pairs: list[Line] = []
     # each line is copied into the chunk at once: orjson's output keeps its whole buffer while it lives
-    # (gymckpt.store.codec.exact_size), so a list of a chunk's lines took up to 30 times the chunk
+    # (gymckpt.store.codec.exact_size): a list of a chunk's small lines took fifty times the chunk
     chunk = bytearray()
     index = start
     while index < len(records) and len(chunk) < limit:
