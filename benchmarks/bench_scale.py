@@ -157,7 +157,12 @@ def connection_pools(descriptors: int, rollouts: int) -> ConnectionPools:
 def _memory_json(memory: dict[str, dict[str, PhaseMemory]]) -> dict[str, Any]:
     return {
         phase: {
-            name: {**asdict(figures), "bound": figures.bound, "within_bound": figures.within_bound}
+            name: {
+                **asdict(figures),
+                "bound": figures.bound,
+                "within_bound": figures.within_bound,
+                "cpu_seconds": figures.cpu_seconds,
+            }
             for name, figures in windows.items()
         }
         for phase, windows in memory.items()

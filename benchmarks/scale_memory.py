@@ -1,4 +1,4 @@
-"""Resident memory of a server's process tree before and during one operation (a commit, a restore).
+"""Resident memory and CPU time of a server's process tree around one operation (a commit, a restore).
 
 A window resets the kernel's high-water mark (``VmHWM``, by writing ``5`` to
 ``/proc/<pid>/clear_refs``) of every process of each server's tree and notes its resident
@@ -6,6 +6,9 @@ set (``VmRSS``); when the operation ends it reads the marks back. A tree's peak 
 of its processes' marks: an upper bound when they peak at different moments (one worker
 process per server gives the exact figure). Where the mark cannot be reset (not Linux, or
 not allowed), the window says so and the peak is the largest RSS a sampler saw.
+
+The same window notes each process's CPU seconds (user + system) spent inside it, so a
+coordinator's share of a commit can be told from its workers'.
 
 The bound issue 27 sets: peak ≤ RSS before + 1.5 × the server's records bytes.
 """
@@ -38,6 +41,13 @@ class PhaseMemory:
     by_process: dict[int, list[int]] = field(default_factory=dict)
     #: the RSS when the operation ended (0: not read): what the server keeps, against the peak's passing copies
     rss_after: int = 0
+    #: each process's CPU seconds inside the window (pid → seconds)
+    cpu_by_process: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def cpu_seconds(self) -> float:
+        """The tree's CPU seconds inside the window."""
+        return sum(self.cpu_by_process.values())
 
     @property
     def bound(self) -> int:
@@ -80,6 +90,14 @@ def _status_kib(pid: int, name: str) -> int | None:
     return None
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system
+
+
 def _reset_mark(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
@@ -106,6 +124,7 @@ class MemoryWindow:
                 rss = (_status_kib(each, "VmRSS") or 0) * 1024
                 memory.rss_before += rss
                 memory.by_process[each] = [rss, rss]
+                memory.cpu_by_process[each] = -(_cpu_seconds(each) or 0.0)
                 if not _reset_mark(each):
                     memory.method = "sampled"
             memory.peak = memory.rss_before
@@ -125,6 +144,9 @@ class MemoryWindow:
         for name, pids in self._pids.items():
             memory = self.figures[name]
             memory.rss_after = sum((_status_kib(pid, "VmRSS") or 0) * 1024 for pid in pids)
+            for pid in pids:
+                spent = _cpu_seconds(pid)
+                memory.cpu_by_process[pid] = 0.0 if spent is None else round(memory.cpu_by_process[pid] + spent, 3)
             if memory.method == "VmHWM":
                 marks = [_status_kib(pid, "VmHWM") for pid in pids]
                 for pid, mark in zip(pids, marks, strict=True):

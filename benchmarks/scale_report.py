@@ -70,6 +70,17 @@ def _memory(windows: dict[str, PhaseMemory]) -> str:
     return "\n".join(f"{name} {memory.describe()}" for name, memory in sorted(windows.items())) or "–"
 
 
+def _cpu(windows: dict[str, PhaseMemory]) -> str:
+    """Each server's CPU seconds inside the window, in all and by process (the tree's order: its main process first)."""
+    return (
+        "\n".join(
+            f"{name} {memory.cpu_seconds:.2f} ({' + '.join(f'{spent:.2f}' for spent in memory.cpu_by_process.values())})"
+            for name, memory in sorted(windows.items())
+        )
+        or "–"
+    )
+
+
 def _restore_against_live(run: ScaleRun) -> str:
     """Each server's peak during the restore against its RSS just before the checkpoint (the state it held
     live, moments before the crash): the restored server's own memory, whatever the bound above says."""
@@ -120,6 +131,8 @@ def render_demo_runs(runs: list[ScaleRun], console: Console) -> None:
         ("records / bytes written", lambda r: f"{r.records:,} / {r.bytes_written:,}"),
         ("RSS MiB before → peak, commit", lambda r: _memory(r.memory.get("commit", {}))),
         ("RSS MiB before → peak, restore", lambda r: _memory(r.memory.get("restore", {}))),
+        ("CPU s in the commit (by process)", lambda r: _cpu(r.memory.get("commit", {}))),
+        ("CPU s in the restore (by process)", lambda r: _cpu(r.memory.get("restore", {}))),
         ("restore peak / the server's RSS before the crash", _restore_against_live),
         ("uninterrupted run s", lambda r: f"{r.uninterrupted_seconds:.1f}"),
         ("whole run s", lambda r: f"{r.total_seconds:.1f}"),

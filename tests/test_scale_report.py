@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 from rich.console import Console
 
 from benchmarks.scale_demo import ScaleRun
-from benchmarks.scale_memory import PhaseMemory
+from benchmarks.scale_memory import MemoryWindow, PhaseMemory
 from benchmarks.scale_report import render_demo_runs, render_sessions
 from benchmarks.scale_sessions import SessionsRun
 
@@ -58,3 +61,15 @@ def test_sessions_runs_stand_side_by_side_each_in_its_column() -> None:
     assert "failed: the Ray cluster did not start" in text
     row = next(line for line in text.splitlines() if "fresh server answers" in line)
     assert "1.05" in row and "3.86" in row
+
+
+def test_a_window_counts_the_cpu_seconds_its_processes_spent_inside_it() -> None:
+    window = MemoryWindow()
+    window.begin({"this": os.getpid()})
+    digest = hashlib.sha256()
+    for _ in range(20_000):  # some CPU work inside the window, whatever its duration
+        digest.update(b"x" * 4096)
+    figures = window.end()["this"]
+    assert os.getpid() in figures.cpu_by_process
+    assert figures.cpu_by_process[os.getpid()] > 0
+    assert figures.cpu_seconds == sum(figures.cpu_by_process.values())
