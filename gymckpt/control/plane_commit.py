@@ -18,7 +18,7 @@ from gymckpt.control.models import CommitReply, Phase
 from gymckpt.errors import CheckpointConflict, ExportFailed, InvalidPhase, RestartInScope
 from gymckpt.gc_pause import GCPause, paused_gc
 from gymckpt.store import WriteStop
-from gymckpt.store.codec import EncodedRecord, EncodedRecords
+from gymckpt.store.encoded import EncodedRecord, EncodedRecords
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable

@@ -26,7 +26,7 @@ from gymckpt.errors import DownstreamError, GymckptError, SettingsError
 from gymckpt.identity import rollout_path
 from gymckpt.participants.install import install_checkpointing
 from gymckpt.participants.rollout import SESSION_HEADER, SessionHeaderMiddleware, current_episode
-from gymckpt.store.codec import exact_size
+from gymckpt.store.encoded import exact_size
 from gymckpt.workers.process import ENV_RUNTIME, ENV_WORKERS, install_worker
 from gymckpt.workers.routing import COOKIE_NAME
 

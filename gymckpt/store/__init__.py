@@ -6,7 +6,7 @@ The center of gymckpt; it imports nothing from the layers above it.
 from gymckpt.store._local import LocalBackend
 from gymckpt.store.backend import BlobSink, StorageBackend
 from gymckpt.store.checkpoint_store import CheckpointStore, backend_for_url, open_store
-from gymckpt.store.codec import EncodedRecord, encoded
+from gymckpt.store.encoded import EncodedRecord, encoded
 from gymckpt.store.manifest import Manifest
 from gymckpt.store.publication import CheckpointIndex
 from gymckpt.store.records import WriteStop

@@ -23,8 +23,9 @@
  *     write_records' loop for the records encode_line writes: lines appended to a bytearray, ids
  *     to a set and a list, until a target size, the iterator's end, or a record left to Python;
  *     with longest, the longest line written so far too. Pre-encoded records (the type
- *     configure_encoded names) whose line passes codec.check_encoded's look are appended as
- *     they are; the others are left to Python.
+ *     configure_encoded names) whose line passes encoded.check_encoded's look, and runs of them
+ *     (encoded.EncodedRun) whose lines pass encoded.check_run's, are appended as they are; the
+ *     others are left to Python.
  * decode_line(line) -> (episode_id, record) | None
  *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes
  *     and whose objects hold no key twice; None where the Python code decides.
@@ -659,19 +660,29 @@ encode_line(PyObject *module, PyObject *record)
     return pair_or_none(encoded, episode_id, line);
 }
 
-/* ---- pre-encoded records (codec.EncodedRecord): taken as they are where their look passes ---- */
+/* ---- pre-encoded records (encoded.EncodedRecord): taken as they are where their look passes ---- */
 
-static PyObject *encoded_type = NULL; /* codec.EncodedRecord, from configure_encoded */
+static PyObject *encoded_type = NULL; /* encoded.EncodedRecord, from configure_encoded */
+static PyObject *run_type = NULL;     /* encoded.EncodedRun, from configure_encoded */
 
 static PyObject *
-configure_encoded(PyObject *module, PyObject *type)
+configure_encoded(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "configure_encoded(type): a tuple type (codec.EncodedRecord)");
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "configure_encoded(record_type[, run_type]): one or two tuple types");
         return NULL;
     }
-    Py_XSETREF(encoded_type, Py_NewRef(type));
+    for (Py_ssize_t index = 0; index < nargs; index++) {
+        if (!PyType_Check(args[index]) || !PyType_IsSubtype((PyTypeObject *)args[index], &PyTuple_Type)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "configure_encoded(record_type[, run_type]): tuple types (encoded.EncodedRecord, "
+                            "encoded.EncodedRun)");
+            return NULL;
+        }
+    }
+    Py_XSETREF(encoded_type, Py_NewRef(args[0]));
+    Py_XSETREF(run_type, nargs == 2 ? Py_NewRef(args[1]) : NULL);
     Py_RETURN_NONE;
 }
 
@@ -706,7 +717,7 @@ leads_with(const char *bytes, Py_ssize_t length, PyObject *episode_id)
            memcmp(bytes + FAST_PREFIX_LENGTH, text, (size_t)size) == 0 && bytes[FAST_PREFIX_LENGTH + size] == '"';
 }
 
-/* A pre-encoded record as codec.check_encoded accepts it: 1 with new references in *episode_id and
+/* A pre-encoded record as encoded.check_encoded accepts it: 1 with new references in *episode_id and
  * *line, 0 where the Python code decides (and raises, if it must): anything but a (str, bytes)
  * pair whose line is one line ending with its newline, led by orjson's token of that id (leads_with). */
 static int
@@ -727,6 +738,78 @@ take_encoded(PyObject *record, PyObject **episode_id_out, PyObject **line_out)
     }
     *episode_id_out = Py_NewRef(episode_id);
     *line_out = Py_NewRef(line);
+    return 1;
+}
+
+/* A run of pre-encoded lines (encoded.EncodedRun: a list of ids, the bytes of their lines) as
+ * encoded.check_run accepts it, none of its ids in seen nor twice in it: 1 once its ids are in seen
+ * and ids, its lines appended to batch at *filled (grown as needed) and *longest updated; 0 with
+ * nothing changed where the Python code decides (and raises); -1 on an error. */
+static int
+take_run(PyObject *record, PyObject *batch, Py_ssize_t *filled, PyObject *seen, PyObject *ids, Py_ssize_t *longest)
+{
+    if (PyTuple_GET_SIZE(record) != 2) {
+        return 0;
+    }
+    PyObject *names = PyTuple_GET_ITEM(record, 0), *lines = PyTuple_GET_ITEM(record, 1);
+    if (!PyList_CheckExact(names) || !PyBytes_CheckExact(lines)) {
+        return 0;
+    }
+    const char *data = PyBytes_AS_STRING(lines);
+    Py_ssize_t size = PyBytes_GET_SIZE(lines), count = PyList_GET_SIZE(names), start = 0, run_longest = 0;
+    for (Py_ssize_t index = 0; index < count; index++) {
+        PyObject *episode_id = PyList_GET_ITEM(names, index);
+        if (!PyUnicode_CheckExact(episode_id) || start >= size) {
+            return 0;
+        }
+        const char *newline = memchr(data + start, '\n', (size_t)(size - start));
+        if (newline == NULL) {
+            return 0;
+        }
+        Py_ssize_t length = newline - (data + start) + 1;
+        if (!leads_with(data + start, length, episode_id)) {
+            return 0;
+        }
+        int known = PySet_Contains(seen, episode_id);
+        if (known != 0) {
+            return known < 0 ? -1 : 0;
+        }
+        if (length > run_longest) {
+            run_longest = length;
+        }
+        start += length;
+    }
+    if (start != size) {
+        return 0;
+    }
+    Py_ssize_t before = PySet_GET_SIZE(seen);
+    for (Py_ssize_t index = 0; index < count; index++) {
+        if (PySet_Add(seen, PyList_GET_ITEM(names, index)) < 0) {
+            return -1;
+        }
+    }
+    if (PySet_GET_SIZE(seen) != before + count) { /* an id twice in the run: undone, the Python code names it */
+        for (Py_ssize_t index = 0; index < count; index++) {
+            if (PySet_Discard(seen, PyList_GET_ITEM(names, index)) < 0) {
+                return -1;
+            }
+        }
+        return 0;
+    }
+    Py_ssize_t end = *filled + size;
+    if (end > PyByteArray_GET_SIZE(batch) && PyByteArray_Resize(batch, end) < 0) {
+        return -1;
+    }
+    for (Py_ssize_t index = 0; index < count; index++) {
+        if (PyList_Append(ids, PyList_GET_ITEM(names, index)) < 0) {
+            return -1;
+        }
+    }
+    memcpy(PyByteArray_AS_STRING(batch) + *filled, data, (size_t)size);
+    *filled = end;
+    if (run_longest > *longest) {
+        *longest = run_longest;
+    }
     return 1;
 }
 
@@ -780,6 +863,26 @@ append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             ended = 1;
             break;
+        }
+        if (run_type != NULL && (PyObject *)Py_TYPE(record) == run_type) {
+            Py_ssize_t was = filled;
+            int taken = take_run(record, batch, &filled, seen, ids, &longest);
+            if (taken <= 0) {
+                if (taken < 0) {
+                    Py_DECREF(record);
+                    return NULL;
+                }
+                left = record;
+                break;
+            }
+            Py_DECREF(record);
+            since_yield += filled - was;
+            if (since_yield >= YIELD_BYTES) {
+                since_yield = 0;
+                Py_BEGIN_ALLOW_THREADS
+                Py_END_ALLOW_THREADS
+            }
+            continue;
         }
         PyObject *episode_id, *line;
         int encoded = encoded_type != NULL && (PyObject *)Py_TYPE(record) == encoded_type
@@ -1271,9 +1374,9 @@ static PyMethodDef methods[] = {
      "separators=(',', ': ')) and a newline, byte for byte; None for what it leaves to the Python path."},
     {"configure_encoder", (PyCFunction)(void (*)(void))configure_encoder, METH_FASTCALL,
      "configure_encoder(dumps, default, option) -> None: how encode_line calls orjson."},
-    {"configure_encoded", configure_encoded, METH_O,
-     "configure_encoded(type) -> None: the type of pre-encoded records (codec.EncodedRecord) append_lines takes as "
-     "they are."},
+    {"configure_encoded", (PyCFunction)(void (*)(void))configure_encoded, METH_FASTCALL,
+     "configure_encoded(record_type[, run_type]) -> None: the types of pre-encoded records and runs of them "
+     "(encoded.EncodedRecord, encoded.EncodedRun) append_lines takes as they are."},
     {"encode_line", encode_line, METH_O,
      "encode_line(record) -> (episode_id, line) | None: codec.encode_record's answer for a record it writes "
      "without Python code; None where the Python code decides."},

@@ -33,7 +33,7 @@ import re
 import sys
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ACCELERATED",
     "MAX_DEPTH",
-    "EncodedRecord",
-    "EncodedRecords",
     "check_json",
     "decode_document",
     "decode_line",
@@ -59,9 +57,7 @@ __all__ = [
     "decode_reference_record",
     "encode_document",
     "encode_record",
-    "encoded",
     "episode_id_of_line",
-    "exact_size",
     "is_exact_line",
     "reference_episode_id_of_line",
     "rekeyed_line",
@@ -317,70 +313,6 @@ def encode_record(record: dict[str, Any]) -> tuple[str, bytes]:
         check_json(record, episode_id=episode_id)  # raises, naming the first bad value
         raise AssertionError("unreachable: check_json accepted what the exact path refused")  # pragma: no cover
     return episode_id, _exact_line(record, depth)
-
-
-class EncodedRecord(NamedTuple):
-    """A record already encoded by :func:`encode_record` (e.g. in another process, a worker).
-
-    The store writes its line as it is: it is neither checked nor encoded again. Build one
-    only from :func:`encode_record`'s result; :func:`encoded` does.
-    """
-
-    episode_id: str
-    line: bytes
-
-
-class EncodedRecords:
-    """Pre-encoded records a writer takes as they arrive (e.g. from a server's workers), never all at once.
-
-    :attr:`episode_ids` names them in order before any line is read; each iteration yields
-    their :class:`EncodedRecord` from the first on, anew (a retried write reads them again).
-    A caller that would otherwise list exported records keeps such an object as it is.
-    """
-
-    def __init__(self, episode_ids: list[str]) -> None:
-        self.episode_ids = episode_ids
-
-    def __len__(self) -> int:
-        return len(self.episode_ids)
-
-    def __iter__(self) -> Iterator[EncodedRecord]:
-        raise NotImplementedError
-
-
-if _walks.ACCELERATOR is not None and hasattr(_walks.ACCELERATOR, "configure_encoded"):  # one built before it had it
-    _walks.ACCELERATOR.configure_encoded(EncodedRecord)  # append_lines takes their lines as check_encoded would
-
-
-def exact_size(data: bytes) -> bytes:
-    """An exact-size copy of ``data``, for an orjson output kept alive (a held record, a request body in flight).
-
-    orjson's output keeps the buffer it wrote into: at least 4 KiB, and about twelve times the
-    length of a long string (its worst-case escaping). Kept by the thousand, such bytes take
-    two to fifty times their length in resident memory; the copy takes their length.
-    """
-    return memoryview(data).tobytes()
-
-
-def encoded(record: dict[str, Any]) -> EncodedRecord:
-    """``record`` encoded once, to be handed to the store (or over a socket) as it is; its line takes
-    its own length in memory (:func:`exact_size`), however long it is kept."""
-    episode_id, line = encode_record(record)
-    return EncodedRecord(episode_id, exact_size(line))
-
-
-def check_encoded(record: EncodedRecord) -> tuple[str, bytes]:
-    """``(episode_id, line)`` of a pre-encoded record after a cheap look: one line, its leading id."""
-    episode_id, line = record
-    if type(line) is not bytes or not line.endswith(b"\n") or line.count(b"\n") != 1:
-        raise InvalidRecord(f"the encoded record of {episode_id!r} is not one line ending with a newline")
-    try:
-        leading = episode_id_of_line(line)
-    except RecordUndecodable as exc:
-        raise InvalidRecord(f"the encoded record of {episode_id!r} does not start with its episode_id") from exc
-    if leading != episode_id:
-        raise InvalidRecord(f"the encoded record of {episode_id!r} starts with episode_id {leading!r}")
-    return episode_id, line
 
 
 def is_exact_line(line: bytes | memoryview) -> bool:

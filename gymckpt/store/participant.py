@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from typing import BinaryIO
 
     from gymckpt.store.backend import StorageBackend
-    from gymckpt.store.codec import EncodedRecord
+    from gymckpt.store.encoded import EncodedRecord, EncodedRun
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ def commit_participant(
     kind: str,
     instance: str,
     checkpoint_id: str,
-    records: Iterable[dict[str, Any] | EncodedRecord],
+    records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
     extra: dict[str, Any] | None = None,
     stop: WriteStop | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,

@@ -34,8 +34,6 @@ from gymckpt.gc_pause import paused_gc
 from gymckpt.store import codec
 from gymckpt.store.bounds import MAX_LINE_BYTES
 from gymckpt.store.codec import (
-    EncodedRecord,
-    check_encoded,
     decode_line_and_id,
     decode_record,
     decode_reference_record,
@@ -43,6 +41,7 @@ from gymckpt.store.codec import (
     episode_id_of_line,
     reference_episode_id_of_line,
 )
+from gymckpt.store.encoded import EncodedRecord, EncodedRun, check_encoded, check_run
 from gymckpt.store.handoffs import quick_handoffs
 from gymckpt.store.lines import TOO_LONG, counted, decode_every_line, lines_of, too_long
 
@@ -188,7 +187,7 @@ class _ChunkWriter(threading.Thread):
 
 def write_records(
     sink: BlobSink,
-    records: Iterable[dict[str, Any] | EncodedRecord],
+    records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
     *,
     stop: WriteStop | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -207,7 +206,10 @@ def write_records(
 
 
 def _write_chunks(
-    sink: BlobSink, records: Iterable[dict[str, Any] | EncodedRecord], stop: WriteStop | None, chunk_size: int
+    sink: BlobSink,
+    records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
+    stop: WriteStop | None,
+    chunk_size: int,
 ) -> RecordsSummary:
     """write_records' loops: the caller's thread encodes, a :class:`_ChunkWriter` hashes and writes."""
     writer = _ChunkWriter(sink)
@@ -241,24 +243,30 @@ def _write_chunks(
                     break
                 left_to_python = True
             if left_to_python:
-                encoded = None if fast_encode is None else fast_encode(record)
-                if encoded is None:
-                    encoded = check_encoded(record) if type(record) is EncodedRecord else encode_record(record)
-                episode_id, line = encoded
-                del encoded  # the line is let go once copied (below), not when the next record is encoded
-                if episode_id in seen:
-                    raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
-                seen.add(episode_id)
-                episode_ids.append(episode_id)
-                longest = max(longest, len(line))
-                end = filled + len(line)
-                if end <= len(batch):
-                    batch[filled:end] = line  # in place: a buffer used before keeps its size
+                lines: list[tuple[str, bytes]] | tuple[tuple[str, bytes]]
+                if type(record) is EncodedRun:
+                    lines = check_run(record)  # a worker's chunk: its lines one by one
                 else:
-                    del batch[filled:]
-                    batch += line
-                filled = end
-                del line
+                    encoded = None if fast_encode is None else fast_encode(record)
+                    if encoded is None:
+                        encoded = check_encoded(record) if type(record) is EncodedRecord else encode_record(record)
+                    lines = (encoded,)
+                    del encoded  # the line is let go once copied (below), not when the next record is encoded
+                for episode_id, line in lines:
+                    if episode_id in seen:
+                        raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
+                    seen.add(episode_id)
+                    episode_ids.append(episode_id)
+                    longest = max(longest, len(line))
+                    end = filled + len(line)
+                    if end <= len(batch):
+                        batch[filled:end] = line  # in place: a buffer used before keeps its size
+                    else:
+                        del batch[filled:]
+                        batch += line
+                    filled = end
+                    del line
+                del lines
             if filled >= target:
                 if writer.error is not None:
                     break

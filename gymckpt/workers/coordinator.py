@@ -68,7 +68,8 @@ from gymckpt.errors import (
     InvalidRequest,
 )
 from gymckpt.identity import AttemptsUpTo
-from gymckpt.store.codec import EncodedRecord, EncodedRecords, decode_line
+from gymckpt.store.codec import decode_line
+from gymckpt.store.encoded import EncodedRecord, EncodedRecords
 from gymckpt.workers import messages
 from gymckpt.workers.coordinator_fields import (
     string_list,

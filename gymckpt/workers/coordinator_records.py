@@ -27,7 +27,7 @@ from gymckpt.workers.scatter import (
     survey,
     survey_lines,
 )
-from gymckpt.workers.streams import CHUNK_BYTES, GatheredLines, LinePipe, LineRef, exported_records, exported_refs
+from gymckpt.workers.streams import CHUNK_BYTES, GatheredLines, LinePipe, LineRef, exported_refs, exported_run
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from gymckpt.control.marks import RetireMarks
     from gymckpt.errors import GymckptError
-    from gymckpt.store.codec import EncodedRecord
+    from gymckpt.store.encoded import EncodedRecord
     from gymckpt.store.manifest import Manifest
     from gymckpt.workers.coordinator import ConnectedWorker
     from gymckpt.workers.gather import Gathered
@@ -82,7 +82,7 @@ class RecordsAcrossWorkers:
         if entry is None or entry[0] != stream:
             raise InvalidPhase(f"{self._who(index)} sent records of stream {stream!r}, which no write reads")
         fields: dict[str, Any] = body  # type: ignore[assignment]
-        await entry[1].put(exported_records(fields.get("records"), fields.get(BLOB_KEY), self._who(index)))
+        await entry[1].put(exported_run(fields.get("episode_ids"), fields.get(BLOB_KEY), self._who(index)))
         return {}
 
     async def export(self, scope: list[str] | None) -> GatheredLines:

@@ -2,7 +2,7 @@
 
 Records are anything with an ``episode_id`` (a worker's record named before its line moves,
 :class:`~gymckpt.workers.streams.LineRef`, or a pre-encoded
-:class:`~gymckpt.store.codec.EncodedRecord`) and leave as the same objects: nothing is
+:class:`~gymckpt.store.encoded.EncodedRecord`) and leave as the same objects: nothing is
 decoded or encoded. Two rules keep one copy of each state:
 
 - **One copy per session.** A restored session can be seeded again on another worker, so

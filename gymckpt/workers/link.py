@@ -10,7 +10,7 @@ worker's share of the work) and connects it to the coordinator in the main proce
   worker closes at once and reports;
 - it answers the coordinator's messages (:mod:`gymckpt.workers.messages`) by calling its
   participant; ``export`` re-checks readiness first and sends each record encoded once
-  (:func:`gymckpt.store.codec.encoded`) as text, in chunks that each wait for their answer;
+  (:func:`gymckpt.store.encoded.encoded`) as text, in chunks that each wait for their answer;
   ``install_chunk`` keeps a restore's records (decoded) until ``install`` installs them
   (:mod:`gymckpt.workers.streams`);
 - while closed it pushes numbered reports (``report {generation, seq, report}``) when the
@@ -468,28 +468,28 @@ class WorkerLink:
         sent = chunks = 0
         started, encoding = time.perf_counter(), 0.0
 
-        async def encode_from(start: int) -> tuple[list[list[Any]], bytes, int, float]:
+        async def encode_from(start: int) -> tuple[list[str], bytes, int, float]:
             began = time.perf_counter()
-            pairs, lines, following = await asyncio.to_thread(
+            episode_ids, lines, following = await asyncio.to_thread(
                 encode_export_chunk, records, start, kind, self.routing_id, CHUNK_BYTES, skip
             )
-            return pairs, lines, following, time.perf_counter() - began
+            return episode_ids, lines, following, time.perf_counter() - began
 
         # the next chunk is encoded while the one before travels and waits for its answer: a worker
         # holds two chunks at most, and the coordinator's round trip no longer adds to the encoding
         upcoming = asyncio.ensure_future(encode_from(0)) if records else None
         try:
             while upcoming is not None:
-                pairs, lines, start, took = await upcoming
+                episode_ids, lines, start, took = await upcoming
                 encoding += took
                 upcoming = asyncio.ensure_future(encode_from(start)) if start < len(records) else None
-                if not pairs:
+                if not episode_ids:
                     continue
                 channel = self.channel
                 if channel is None:
                     raise CoordinatorUnavailable(f"this {kind} worker lost its checkpoint coordinator")
-                sent += len(pairs)
-                chunk = {"stream": stream, "records": pairs}
+                sent += len(episode_ids)
+                chunk = {"stream": stream, "episode_ids": episode_ids}
                 await channel.request(Message.EXPORT_CHUNK, chunk, timeout=messages.MESSAGE_TIMEOUT_SECONDS, blob=lines)
                 del chunk, lines
                 chunks += 1

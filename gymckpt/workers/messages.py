@@ -20,12 +20,13 @@ Worker → coordinator:
 - ``control {operation, body, trace}`` (a control route's request, :data:`CONTROL_OPERATIONS`) →
   ``{reply, steps}``: the control reply as JSON (or its error) and the seconds of the plane's
   steps by name, which the worker's route logs as a single-process server logs its own.
-- ``export_chunk {stream, records: [[episode_id, owner], …]}`` and the lines as bytes (a blob
-  frame, one line per record, each ending with its newline) → ``{}``: the next chunk of the
-  lines ``send_records`` asked for (about :data:`~gymckpt.workers.streams.CHUNK_BYTES`),
-  answered once the store's writer took it; the next is sent after the answer. Each record is
-  encoded once (:func:`gymckpt.store.codec.encoded`), ``owner`` as in the export reply.
-  Refused once that write no longer reads.
+- ``export_chunk {stream, episode_ids: […]}`` and the lines as bytes (a blob frame, one line
+  per id, each ending with its newline) → ``{}``: the next chunk of the lines ``send_records``
+  asked for (about :data:`~gymckpt.workers.streams.CHUNK_BYTES`), answered once the store's
+  writer took it; the next is sent after the answer. Each record is encoded once
+  (:func:`gymckpt.store.codec.encode_record`), a session's line stamped with the ``owner`` of
+  the export reply. The store's writer copies a chunk's lines as one run
+  (:class:`gymckpt.store.encoded.EncodedRun`). Refused once that write no longer reads.
 
 Coordinator → worker (each replies ``{}`` unless noted):
 

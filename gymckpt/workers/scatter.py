@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gymckpt.errors import InvalidCheckpointState
-from gymckpt.store.codec import EncodedRecord, decode_line, encoded, rekeyed_line
+from gymckpt.store.codec import decode_line, rekeyed_line
+from gymckpt.store.encoded import EncodedRecord, encoded
 from gymckpt.workers.coordinator_fields import owner_aliases, with_session_id, without_session_id
 from gymckpt.workers.placement import place_records
 from gymckpt.workers.streams import CHUNK_BYTES

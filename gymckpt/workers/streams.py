@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, InvalidRequest
 from gymckpt.gc_pause import pause_gc
-from gymckpt.store.codec import EncodedRecord, EncodedRecords, decode_line, encode_record
+from gymckpt.store.codec import decode_line, encode_record
+from gymckpt.store.encoded import EncodedRecord, EncodedRecords, EncodedRun
 from gymckpt.workers.gather import ExportedRecord
 from gymckpt.workers.placement import is_routing_id, is_whole_episode
 
@@ -41,7 +42,7 @@ __all__ = [
     "LineRef",
     "InstallStaging",
     "encode_export_chunk",
-    "exported_records",
+    "exported_run",
     "exported_refs",
     "owner_of",
 ]
@@ -64,17 +65,17 @@ def encode_export_chunk(
     owner: str | None,
     limit: int = CHUNK_BYTES,
     skip: Set[int] = frozenset(),
-) -> tuple[list[Line], bytes, int]:
+) -> tuple[list[str], bytes, int]:
     """Records from ``start`` on (but those at a position in ``skip``), each encoded once, until
-    about ``limit`` bytes: the chunk's ``[episode_id, owner]`` pairs, its lines (each ending with
-    its newline) joined, and the next start.
+    about ``limit`` bytes: the chunk's episode ids, its lines (each ending with its newline)
+    joined, and the next start.
 
-    The lines travel as bytes beside the pairs (a blob frame, :mod:`gymckpt.workers.frames`);
-    ``owner`` is set on session records, which carry it in the line too.
+    The lines travel as bytes beside the ids (a blob frame, :mod:`gymckpt.workers.frames`);
+    ``owner`` is set on session records, in their line (the export reply named it already).
     """
-    pairs: list[Line] = []
+    episode_ids: list[str] = []
     # each line is copied into the chunk at once: orjson's output keeps its whole buffer while it lives
-    # (gymckpt.store.codec.exact_size): a list of a chunk's small lines took fifty times the chunk
+    # (gymckpt.store.encoded.exact_size): a list of a chunk's small lines took fifty times the chunk
     chunk = bytearray()
     index = start
     while index < len(records) and len(chunk) < limit:
@@ -87,32 +88,24 @@ def encode_export_chunk(
         episode_id, line = encode_record(stamped)
         chunk += line
         del line
-        pairs.append([episode_id, session_owner])
+        episode_ids.append(episode_id)
         index += 1
-    return pairs, bytes(chunk), index
+    return episode_ids, bytes(chunk), index
 
 
-def exported_records(pairs: object, blob: object, who: str) -> list[ExportedRecord]:
-    """A chunk's ``[episode_id, owner]`` pairs and their lines as pre-encoded records (refused: not such
-    pairs, or not one line per pair)."""
-    if not isinstance(pairs, list) or not isinstance(blob, bytes):
-        raise InvalidCheckpointState(f"{who} sent an export chunk without its records and their lines")
-    lines = blob.splitlines(keepends=True)
-    if len(lines) != len(pairs):
-        raise InvalidCheckpointState(f"{who} sent {len(lines)} lines for the {len(pairs)} records of an export chunk")
-    records = []
-    for item, line in zip(pairs, lines, strict=True):
-        if not (
-            isinstance(item, list)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and (item[1] is None or is_routing_id(item[1]))
-        ):
-            raise InvalidCheckpointState(f"{who} exported a record that is not an [episode_id, owner] pair")
-        if not line.endswith(b"\n"):
-            raise InvalidCheckpointState(f"{who} sent the line of {item[0]!r} without its newline")
-        records.append(ExportedRecord(EncodedRecord(item[0], line), owner=item[1]))
-    return records
+def exported_run(episode_ids: object, blob: object, who: str) -> EncodedRun:
+    """A chunk's episode ids and their lines as one run for the store's writer, which checks that
+    there is one line per id, led by it, as it copies the run (refused here: not a list of ids and
+    bytes, or lines that do not end with a newline)."""
+    if not isinstance(episode_ids, list) or not isinstance(blob, bytes):
+        raise InvalidCheckpointState(f"{who} sent an export chunk without its episode ids and their lines")
+    if not all(type(episode_id) is str for episode_id in episode_ids):
+        raise InvalidCheckpointState(f"{who} sent an export chunk whose episode ids are not all strings")
+    if bool(blob) != bool(episode_ids) or (blob and not blob.endswith(b"\n")):
+        raise InvalidCheckpointState(
+            f"{who} sent an export chunk of {len(episode_ids)} records whose lines do not end with a newline"
+        )
+    return EncodedRun(episode_ids, blob)
 
 
 class LineRef(NamedTuple):
@@ -162,13 +155,13 @@ class LinePipe:
         self._items: queue.Queue[Any] = queue.Queue()
         self._closed = False
 
-    async def put(self, records: list[ExportedRecord]) -> None:
+    async def put(self, run: EncodedRun) -> None:
         """Hand a chunk over (on the loop); returns once the writer took it."""
         if self._closed:
             raise InvalidPhase("the write these records were for has ended")
         taken = self.loop.create_future()
-        self.received += len(records)
-        self._items.put((records, taken))
+        self.received += len(run.episode_ids)
+        self._items.put((run, taken))
         if self._closed:  # closed meanwhile, perhaps before this chunk was queued: nobody takes it
             _refuse(taken)
         elif self._items.qsize() <= PIPE_WINDOW:
@@ -190,7 +183,7 @@ class LinePipe:
             if isinstance(taken, asyncio.Future):
                 self.loop.call_soon_threadsafe(_refuse, taken)
 
-    def take(self, alive: Callable[[], bool]) -> list[ExportedRecord] | None:
+    def take(self, alive: Callable[[], bool]) -> EncodedRun | None:
         """The next chunk (on the writer's thread), None at the end; raises the stream's failure."""
         while True:
             try:
@@ -242,7 +235,7 @@ class GatheredLines(EncodedRecords):
         self.fetch = fetch
         self.loop = loop
 
-    def __iter__(self) -> Iterator[EncodedRecord]:
+    def __iter__(self) -> Iterator[EncodedRecord | EncodedRun]:
         """The lines, in gathering order: iterate on another thread than the coordinator's loop (the store's writer)."""
         try:
             running = asyncio.get_running_loop()
@@ -255,21 +248,19 @@ class GatheredLines(EncodedRecords):
                 yield from self._worker_lines(index, skip, keys)
         yield from self.held
 
-    def _worker_lines(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRecord]:
+    def _worker_lines(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRun]:
         pipe = LinePipe(self.loop)
         running = asyncio.run_coroutine_threadsafe(self.fetch(index, skip, pipe), self.loop)
         position = 0
         try:
-            while (chunk := pipe.take(lambda: not self.loop.is_closed())) is not None:
-                for exported in chunk:
-                    record = exported.record
-                    if position >= len(keys) or record.episode_id != keys[position]:
-                        raise InvalidCheckpointState(
-                            f"worker {index} sent the line of {record.episode_id!r} where its export named another"
-                        )
-                    position += 1
-                    yield record  # type: ignore[misc]
-                del chunk
+            while (run := pipe.take(lambda: not self.loop.is_closed())) is not None:
+                count = len(run.episode_ids)
+                named = keys[position : position + count]
+                if run.episode_ids != named:
+                    raise InvalidCheckpointState(f"worker {index} sent {_first_other(run.episode_ids, named)}")
+                position += count
+                yield run
+                del run
             if position != len(keys):
                 raise InvalidCheckpointState(f"worker {index} sent {position} of the {len(keys)} records it exported")
             running.result()
@@ -277,6 +268,13 @@ class GatheredLines(EncodedRecords):
             pipe.close()
             if not running.done():
                 running.cancel()
+
+
+def _first_other(sent: list[str], named: list[str]) -> str:
+    """Where a chunk's ids first differ from those its export named, in words."""
+    at = next((i for i, (one, other) in enumerate(zip(sent, named, strict=False)) if one != other), len(named))
+    wanted = repr(named[at]) if at < len(named) else "no more records"
+    return f"the line of {sent[at]!r} where its export named {wanted}"
 
 
 class InstallStaging:

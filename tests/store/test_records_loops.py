@@ -26,7 +26,8 @@ import pytest
 from gymckpt import errors
 from gymckpt.errors import NotJSONError
 from gymckpt.store import codec
-from gymckpt.store.codec import EncodedRecord, InvalidRecord, encode_record, encoded
+from gymckpt.store.codec import InvalidRecord, encode_record
+from gymckpt.store.encoded import EncodedRecord, EncodedRun, encoded
 from gymckpt.store.records import RecordsCheck, RecordsSummary, read_records, write_records
 from gymckpt.testing.values import assert_identical, sample_records
 
@@ -41,7 +42,7 @@ needs_accelerator = pytest.mark.skipif(_exact is None, reason="gymckpt.store._ex
 
 if _exact is not None:  # configured here too: with GYMCKPT_PURE_PYTHON=1 the codec leaves it alone
     _exact.configure_encoder(codec.orjson.dumps, codec._refuse, codec._LINE_OPTIONS)
-    _exact.configure_encoded(codec.EncodedRecord)
+    _exact.configure_encoded(EncodedRecord, EncodedRun)
     _exact.configure_decoder(codec.orjson.loads)
 
 
@@ -71,11 +72,26 @@ class _KeepingSink(ChunkSink):
 
 
 def _mixed(count: int) -> list[Any]:
-    """Fast records, exact ones (NaN, big ints, deep nesting) and pre-encoded ones, interleaved."""
+    """Fast records, exact ones (NaN, big ints, deep nesting), pre-encoded ones and runs of them, interleaved."""
     records: list[Any] = sample_records(count, payload=150)
     for index in range(2, count, 4):
         records[index] = encoded(records[index])
+    for start in range(5, count - 8, 16):  # runs of one to five lines, whatever each line's path
+        size = 1 + start % 5
+        records[start : start + size] = [_run(*records[start : start + size])]
     return records
+
+
+def _run(*records: Any) -> EncodedRun:
+    """The run a worker would send for ``records`` (dicts or pre-encoded ones)."""
+    pairs = [record if isinstance(record, EncodedRecord) else encoded(record) for record in records]
+    return EncodedRun([pair.episode_id for pair in pairs], b"".join(pair.line for pair in pairs))
+
+
+def _bytes_of(record: Any) -> bytes:
+    if isinstance(record, EncodedRun):
+        return record.lines
+    return record.line if isinstance(record, EncodedRecord) else encode_record(record)[1]
 
 
 @needs_accelerator
@@ -87,7 +103,8 @@ def test_both_loops_write_the_same_chunks_and_summary(chunk_size: int, monkeypat
     assert isinstance(with_c[0], RecordsSummary), with_c
     assert with_c == with_python
     summary, sizes, data = with_c
-    assert data == b"".join(encode_record(record)[1] if isinstance(record, dict) else record.line for record in records)
+    assert any(isinstance(record, EncodedRun) for record in records)
+    assert data == b"".join(map(_bytes_of, records))
     assert summary.episode_ids == [f"r{index}" for index in range(90)]
     assert summary.count == 90 and summary.size == len(data) == sum(sizes)
     assert summary.max_record_bytes == max(map(len, data.splitlines(keepends=True)))
@@ -111,6 +128,17 @@ BAD_SEQUENCES = {
     "encoded_id_not_str": lambda rs: [rs[0], EncodedRecord(1, encoded(rs[1]).line)],  # type: ignore[arg-type]
     "encoded_empty_line": lambda rs: [rs[0], EncodedRecord("r1", b"")],
     "encoded_no_id": lambda rs: [rs[0], EncodedRecord("r1", b'{"v":1}\n')],
+    "run_other_id": lambda rs: [rs[0], EncodedRun(["r1", "r9"], _run(rs[1], rs[2]).lines)],
+    "run_fewer_lines": lambda rs: [rs[0], EncodedRun(["r1", "r2"], _run(rs[1]).lines)],
+    "run_more_lines": lambda rs: [rs[0], EncodedRun(["r1"], _run(rs[1], rs[2]).lines)],
+    "run_no_newline": lambda rs: [rs[0], EncodedRun(["r1"], _run(rs[1]).lines[:-1])],
+    "run_twice_inside": lambda rs: [rs[0], _run(rs[1], rs[2], rs[1])],
+    "run_seen_before": lambda rs: [rs[0], rs[2], _run(rs[1], rs[2])],
+    "run_then_duplicate": lambda rs: [_run(rs[0], rs[1]), rs[1]],
+    "run_ids_tuple": lambda rs: [rs[0], EncodedRun(("r1",), _run(rs[1]).lines)],  # type: ignore[arg-type]
+    "run_bytearray": lambda rs: [rs[0], EncodedRun(["r1"], bytearray(_run(rs[1]).lines))],  # type: ignore[arg-type]
+    "run_id_not_str": lambda rs: [rs[0], EncodedRun([1], _run(rs[1]).lines)],  # type: ignore[list-item]
+    "run_no_id": lambda rs: [rs[0], EncodedRun(["r1"], b'{"v":1}\n')],
 }
 
 
@@ -187,6 +215,32 @@ def test_both_loops_write_a_pre_encoded_line_as_it_is(name: str, monkeypatch: py
     summary, _, data = with_c
     assert data.splitlines(keepends=True)[1] == record.line
     assert summary.episode_ids == ["first", record.episode_id, "last"]
+
+
+@needs_accelerator
+@pytest.mark.parametrize("name", sorted(ENCODED_ACCEPTED))
+def test_both_loops_write_a_run_of_pre_encoded_lines_as_it_is(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _run({"episode_id": "before"}, ENCODED_ACCEPTED[name], {"episode_id": "after"})
+    records = [{"episode_id": "first"}, run, EncodedRun([], b""), encoded({"episode_id": "last"})]
+    with_c = _write(records, 4096, c_loop=True, monkeypatch=monkeypatch)
+    assert with_c == _write(records, 4096, c_loop=False, monkeypatch=monkeypatch)
+    summary, _, data = with_c
+    assert data.splitlines(keepends=True)[1:4] == run.lines.splitlines(keepends=True)
+    assert summary.episode_ids == ["first", "before", ENCODED_ACCEPTED[name]["episode_id"], "after", "last"]
+
+
+@needs_accelerator
+def test_append_lines_copies_a_run_at_once_and_leaves_a_bad_one_with_nothing_of_it_taken() -> None:
+    good = _run(*_fast(3))
+    bad = _run(*_fast(5, start=3), {"episode_id": "e3"})  # e3 twice in one run
+    pending = iter([good, bad, encoded({"episode_id": "after"})])
+    batch, seen, ids = bytearray(), set(), []
+    filled, ended, left, longest = _exact.append_lines(pending, batch, 0, 1 << 20, seen, ids, 0)
+    assert not ended and left is bad
+    assert bytes(batch[:filled]) == good.lines and ids == ["e0", "e1", "e2"] and seen == set(ids)
+    assert longest == max(map(len, good.lines.splitlines(keepends=True)))
+    filled, ended, left = _exact.append_lines(pending, batch, filled, 1 << 20, seen, ids)
+    assert ended and left is None and ids == ["e0", "e1", "e2", "after"]
 
 
 @needs_accelerator

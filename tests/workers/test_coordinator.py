@@ -17,7 +17,8 @@ import pytest
 from gymckpt.control.plane import ControlPlane
 from gymckpt.errors import CheckpointParked, RetireIncomplete, StaleAttempt
 from gymckpt.store import open_store
-from gymckpt.store.codec import encoded, episode_id_of_line
+from gymckpt.store.codec import episode_id_of_line
+from gymckpt.store.encoded import each_line, encoded
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.testing.time import bounded, until
 from gymckpt.workers import messages
@@ -310,7 +311,7 @@ async def test_export_gathers_every_workers_lines_encoded_once_into_one_records_
         records = await bounded(running.coordinator.export(None))
         with pytest.raises(RuntimeError, match="thread of their own"):
             list(records)  # on the event loop the workers could never send them
-        read = await bounded(asyncio.to_thread(lambda: {record.episode_id: record.line for record in records}))
+        read = await bounded(asyncio.to_thread(lambda: dict(each_line(records))))
         assert read == expected
         store = open_store(str(tmp_path / "ck"))
         write = functools.partial(

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from gymckpt.store.codec import EncodedRecord, check_encoded, encoded
+from gymckpt.store.encoded import EncodedRecord, check_encoded, encoded
 from gymckpt.workers.gather import ExportedRecord, WorkerExport, gather_exports
 
 OWNER_1, OWNER_2 = "1" * 32, "2" * 32

@@ -22,9 +22,10 @@ import gymckpt.workers.scatter as scatter_module
 from gymckpt import gc_pause
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.plane_restore import ScopeRecords
-from gymckpt.errors import InvalidCheckpointState
+from gymckpt.errors import InvalidCheckpointState, InvalidRecord
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
+from gymckpt.store.encoded import check_run
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.testing.time import until
 from gymckpt.workers.coordinator_fields import with_session_id
@@ -39,7 +40,7 @@ from gymckpt.workers.scatter import (
     survey,
     survey_lines,
 )
-from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, exported_records
+from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, exported_run
 
 from ..support import error_code
 from .cluster import INSTANCE, KIND, call, client_of, cluster, control_app, request
@@ -498,28 +499,33 @@ def test_undecoded_lines_are_placed_and_stamped_as_their_decoded_records_are(
 
 def test_an_export_chunks_lines_travel_as_bytes_one_per_named_record() -> None:
     records = [{"episode_id": f"k{number}", "state": _state(number)} for number in range(3)]
-    pairs, lines, after = encode_export_chunk(records, 0, "resources", ROUTING[0], limit=CHUNK_BYTES * 4)
-    assert after == 3 and [pair[0] for pair in pairs] == ["k0", "k1", "k2"]
-    exported = exported_records(pairs, lines, "worker 1")
-    for record, got in zip(records, exported, strict=True):
-        assert got.owner == ROUTING[0]
-        assert _same(decode_line(got.record.line), {**record, "owner": ROUTING[0]})
-    with pytest.raises(InvalidCheckpointState, match="2 lines for the 3 records"):
-        exported_records(pairs, lines.split(b"\n", 1)[1], "worker 1")
-    with pytest.raises(InvalidCheckpointState, match="without its newline"):
-        exported_records(pairs, lines[:-1], "worker 1")
-    with pytest.raises(InvalidCheckpointState, match="without its records and their lines"):
-        exported_records(pairs, lines.decode(), "worker 1")
+    ids, lines, after = encode_export_chunk(records, 0, "resources", ROUTING[0], limit=CHUNK_BYTES * 4)
+    assert after == 3 and ids == ["k0", "k1", "k2"]
+    run = exported_run(ids, lines, "worker 1")
+    assert run.episode_ids == ids
+    for record, (episode_id, line) in zip(records, check_run(run), strict=True):
+        assert episode_id == record["episode_id"]
+        assert _same(decode_line(line), {**record, "owner": ROUTING[0]})
+    with pytest.raises(InvalidRecord, match="record of 'k0' starts with episode_id 'k1'"):
+        check_run(exported_run(ids, lines.split(b"\n", 1)[1], "worker 1"))  # the writer's look
+    with pytest.raises(InvalidCheckpointState, match="3 records whose lines do not end with a newline"):
+        exported_run(ids, lines[:-1], "worker 1")
+    with pytest.raises(InvalidCheckpointState, match="0 records whose lines"):
+        exported_run([], lines, "worker 1")
+    with pytest.raises(InvalidCheckpointState, match="without its episode ids and their lines"):
+        exported_run(ids, lines.decode(), "worker 1")
+    with pytest.raises(InvalidCheckpointState, match="not all strings"):
+        exported_run([*ids[:2], 3], lines, "worker 1")
 
 
 def test_encoding_an_export_chunk_holds_about_the_chunk_not_a_buffer_per_line() -> None:
     records = [{"episode_id": f"k{number:05d}", "state": {"count": number}} for number in range(2000)]
     tracemalloc.start()
     try:
-        pairs, lines, after = encode_export_chunk(records, 0, "resources", ROUTING[0], limit=CHUNK_BYTES)
+        ids, lines, after = encode_export_chunk(records, 0, "resources", ROUTING[0], limit=CHUNK_BYTES)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert after == 2000 and len(pairs) == 2000 and lines.count(b"\n") == 2000
+    assert after == 2000 and len(ids) == 2000 and lines.count(b"\n") == 2000
     # each line orjson writes keeps a 4 KiB buffer while it lives: 8 MB if the chunk's lines were kept apart
-    assert peak < 4 * len(lines) + 200 * len(pairs), (peak, len(lines))
+    assert peak < 4 * len(lines) + 200 * len(ids), (peak, len(lines))
