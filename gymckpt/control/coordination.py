@@ -34,14 +34,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import aiohttp
-import orjson
-from opentelemetry.trace import SpanKind
-
-from gymckpt import errors, telemetry, transport
+from gymckpt import errors, telemetry
+from gymckpt.control.coordination_calls import (
+    RESENT_OPERATIONS,
+    ControlCalls,
+    connection_failed,
+    encode_body,
+    pool_options,
+)
 from gymckpt.control.coordination_results import (
     DiscoverResult,
     EpisodeLike,
@@ -59,19 +61,18 @@ from gymckpt.control.replies import (
     counter,
     failed,
     parser,
-    reply_error,
 )
 from gymckpt.control.restore_source import RESTORE_CHECKS, read_published, restore_bodies
-from gymckpt.control.routes import CONTROL_PREFIX
-from gymckpt.control.settings import CheckpointSettings, GymckptSettings, load_settings
-from gymckpt.gc_pause import paused_gc
 from gymckpt.identity import EpisodeId, episode_object
 from gymckpt.store import open_store
 from gymckpt.store.codec import decode_document
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Mapping
 
+    import aiohttp
+
+    from gymckpt.control.settings import CheckpointSettings, GymckptSettings
     from gymckpt.store import CheckpointIndex
 
 __all__ = [
@@ -93,8 +94,6 @@ logger = logging.getLogger(__name__)
 
 KIND_ORDER = ("environment", "model", "agent", "resources")
 _RETIRE_GROUPS = (("environment",), ("agent",), ("model", "resources"))
-#: extra seconds a call may take past its deadline so the server's own deadline reply arrives
-_REPLY_SLACK = 5.0
 #: bound of one server's whole discover probe (every try and pause), as in the reference stack
 DEFAULT_PROBE_TIMEOUT = 60.0
 #: the first pause between discover tries after a connection error; it doubles up to the cap
@@ -103,68 +102,10 @@ DEFAULT_PROBE_BACKOFF_MAX = 5.0
 #: the problem discover reports under the key ``"deployment"`` when no model participant answered
 NO_POLICY_MODEL = "no policy model takes part in checkpoints"
 _DEPLOYMENT = "deployment"
-#: the reference stack's names of the control pool sizes: top-level keys of its global config
-_REFERENCE_POOL_KEYS = {
-    "global_aiohttp_control_connector_limit": "connector_limit",
-    "global_aiohttp_control_connector_limit_per_host": "connector_limit_per_host",
-}
-
-#: the control calls sent once more when the server closed their reused connection before replying.
-#: Each answers a repeat with the same body as the first: status reads; prepare waits for the
-#: first one's close; renew extends the lease to the same deadline; commit and restore return
-#: the remembered result (C6); a repeated resume is a no-op reply (C7); retire marks again and
-#: frees only what is left (C9); forget drops marks already dropped (its count then reads 0:
-#: the count is informational, the state the same).
-RESENT_OPERATIONS = frozenset({"status", "prepare", "renew", "commit", "resume", "restore", "retire", "forget"})
-
 T = TypeVar("T")
 
 
-def _encode(body: dict[str, Any]) -> bytes:
-    """A request body, encoded once for every server of an operation."""
-    return orjson.dumps(body)
-
-
-def _connectionfailed(exc: BaseException) -> bool:
-    """A failure to connect or a dropped connection (worth another try), not a silent server."""
-    cause = exc.__cause__
-    return isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(cause, TimeoutError)
-
-
-def _pool_options(settings: CheckpointSettings | GymckptSettings | Mapping[str, Any]) -> dict[str, Any]:
-    """Coordinator arguments from a settings object (see :meth:`Coordinator.from_settings`)."""
-    reference: dict[str, int] = {}
-    if isinstance(settings, CheckpointSettings):
-        block = settings
-    elif isinstance(settings, GymckptSettings):
-        block = settings.checkpoint
-    elif isinstance(settings, Mapping):
-        block = load_settings(dict(settings)).checkpoint
-        for name, option in _REFERENCE_POOL_KEYS.items():
-            if name in settings:
-                value = settings[name]
-                if type(value) is not int or value < 0:
-                    raise ValueError(f"{name} must be an integer >= 0, not {value!r}")
-                reference[option] = value
-    else:
-        raise TypeError(
-            f"settings must be CheckpointSettings, GymckptSettings or a mapping, not {type(settings).__name__}"
-        )
-    options: dict[str, Any] = {
-        "token": block.token,
-        "connector_limit": block.control_connector_limit,
-        "connector_limit_per_host": block.control_connector_limit_per_host,
-        "storage_options": dict(block.storage_options),
-    }
-    for option, value in reference.items():
-        name = f"control_{option}"
-        if name in block.model_fields_set and getattr(block, name) != value:
-            raise ValueError(f"checkpoint.{name} ({getattr(block, name)}) and its reference name disagree ({value})")
-        options[option] = value
-    return options
-
-
-class Coordinator:
+class Coordinator(ControlCalls):
     """Drives the control planes of a set of servers (base URLs like ``http://127.0.0.1:8001``).
 
     Parameters
@@ -252,7 +193,7 @@ class Coordinator:
         size the pool too, and disagreeing with the block's own value is a ``ValueError``.
         A missing token is a ``ValueError``.
         """
-        options = {**_pool_options(settings), **overrides}
+        options = {**pool_options(settings), **overrides}
         if not options.get("token"):
             raise ValueError("checkpoint.control_auth_token is not set: the coordinator needs the servers' token")
         return cls(servers, **options)
@@ -270,103 +211,6 @@ class Coordinator:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            limit, per_host = self._limits
-            self._session = transport.client_session(limit=limit, limit_per_host=per_host, headers=self._headers)
-        return self._session
-
-    async def close(self) -> None:
-        """Close the control connection pool."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    # --- one call
-
-    def _traced(self, checkpoint_id: str) -> dict[str, Any]:
-        """The attributes of a coordination operation's span: the controller, the participants."""
-        return {
-            "kind": "controller",
-            "instance": "coordination",
-            "checkpoint_id": checkpoint_id,
-            "participants": len(self.kinds) or len(self.servers),
-        }
-
-    async def _call(self, url: str, op: str, body: bytes | None, *, timeout: float) -> dict[str, Any]:
-        """One control request; a failure is typed by the reply's wire code (ServerCallFailed without one).
-
-        A CLIENT span ``gym.checkpoint.coordinate.<op>.call`` whose trace context the server continues.
-        """
-        endpoint = f"{url}{CONTROL_PREFIX}/{op}"
-        client_timeout = aiohttp.ClientTimeout(total=max(timeout, 0.1))
-        with telemetry.step(f"coordinate.{op}.call", span_kind=SpanKind.CLIENT, server=url) as call:
-            headers = telemetry.inject({})
-            method = "GET" if body is None else "POST"
-            try:
-                async with transport.request(
-                    self._client(),
-                    method,
-                    endpoint,
-                    resend=op in RESENT_OPERATIONS,
-                    data=body,
-                    timeout=client_timeout,
-                    headers=headers,
-                ) as response:
-                    status = response.status
-                    raw = await transport.read_bounded(response, self.reply_limits[op])
-            except errors.ReplyTooLarge as exc:
-                exc.server = url  # type: ignore[attr-defined]
-                exc.http_status = exc.downstream_status  # type: ignore[attr-defined]
-                raise
-            except TimeoutError as exc:
-                raise failed(url, f"{op} got no reply within {timeout:.1f} s") from exc
-            except aiohttp.ClientError as exc:
-                raise failed(url, f"{op} failed: {exc}") from exc
-            call.set(status=status)
-        if status >= 400:
-            raise reply_error(url, op, status, raw)
-        try:
-            payload = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise failed(url, f"{op} replied {status} with a body that is not JSON") from exc
-        if not isinstance(payload, dict):
-            raise failed(url, f"{op} replied {status} with a JSON {type(payload).__name__}, not an object")
-        return payload
-
-    async def _fan_out(
-        self,
-        op: str,
-        urls: Iterable[str],
-        encoded: bytes | Mapping[str, bytes],
-        deadline_ts: float,
-        parse: Callable[[str, str, dict[str, Any]], T] | None = None,
-    ) -> dict[str, T]:
-        """The same encoded body (or each server's own) to every server at once; then one CoordinationError for all.
-
-        The cyclic GC of this process is paused meanwhile (:func:`~gymckpt.gc_pause.paused_gc`): a
-        trainer's large heap would otherwise add a full collection to a checkpoint's control calls.
-        """
-        urls = list(urls)
-        timeout = deadline_ts - time.time() + _REPLY_SLACK
-
-        async def one(url: str) -> Any:
-            body = encoded if isinstance(encoded, bytes) else encoded[url]
-            reply = await self._call(url, op, body, timeout=timeout)
-            return reply if parse is None else parse(url, op, reply)
-
-        with paused_gc():
-            outcomes = await asyncio.gather(*(one(url) for url in urls), return_exceptions=True)
-        causes: dict[str, BaseException] = {}
-        for url, outcome in zip(urls, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                if not isinstance(outcome, Exception):
-                    raise outcome  # a cancellation or an interrupt is no server's failure
-                causes[url] = outcome
-        if causes:
-            raise errors.CoordinationError(op, causes)
-        return dict(zip(urls, outcomes, strict=True))  # type: ignore[arg-type]
 
     def _participants(self, kinds: Iterable[str] | None = None) -> list[str]:
         """The discovered participants (of these kinds), in the order of :attr:`servers`."""
@@ -432,7 +276,7 @@ class Coordinator:
                     return None
                 pause = min(self.probe_backoff * 2**attempt, self.probe_backoff_max)
                 last_try = attempt + 1 >= tries or time.monotonic() + pause >= give_up
-                if last_try or not _connectionfailed(exc):
+                if last_try or not connection_failed(exc):
                     raise
                 await self._pause(pause)
                 continue
@@ -458,7 +302,7 @@ class Coordinator:
         everyone afterwards either way (the servers never called answer it as a no-op).
         """
         with telemetry.operation("coordinate.prepare", **self._traced(checkpoint_id)) as op:
-            encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+            encoded = encode_body({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
             replies: dict[str, PrepareReply] = {}
             for kind in KIND_ORDER:
                 urls = self._participants([kind])
@@ -474,7 +318,7 @@ class Coordinator:
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, dict[str, Any]]:
         """Extend every participant's lease; return each one's reply."""
         with telemetry.operation("coordinate.renew", **self._traced(checkpoint_id)):
-            encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+            encoded = encode_body({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
             return await self._fan_out("renew", self._participants(), encoded, deadline_ts)
 
     async def commit(
@@ -504,7 +348,7 @@ class Coordinator:
             if scope is not None:
                 op.set(episodes=len(scope))
             replies = await self._fan_out(
-                "commit", self._participants(), _encode(body), deadline_ts, parser(ParticipantCommit)
+                "commit", self._participants(), encode_body(body), deadline_ts, parser(ParticipantCommit)
             )
             op.set(
                 records=sum(reply.record_count or 0 for reply in replies.values()),
@@ -558,7 +402,7 @@ class Coordinator:
         failure is raised at the end, as one CoordinationError.
         """
         with telemetry.operation("coordinate.resume", **self._traced(checkpoint_id)):
-            encoded = _encode({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
+            encoded = encode_body({"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts})
             replies: dict[str, dict[str, Any]] = {}
             causes: dict[str, BaseException] = {}
             for kind in reversed(KIND_ORDER):
@@ -600,7 +444,7 @@ class Coordinator:
             index = await asyncio.to_thread(self._read_published, checkpoint_dir)
             participants = {url: (self.kinds[url].kind, self.kinds[url].instance) for url in urls}
             checking = {url for url in urls if self.kinds[url].restore_checks.issuperset(RESTORE_CHECKS)}
-            bodies = restore_bodies(participants, checking, index, _encode(body))
+            bodies = restore_bodies(participants, checking, index, encode_body(body))
             try:
                 return await self._fan_out("restore", urls, bodies, deadline_ts, parser(ParticipantRestore))
             except errors.CoordinationError:
@@ -643,7 +487,7 @@ class Coordinator:
                 "episode_ids": [episode_object(key) for key in keys],
             }
             return await self._in_retire_order(
-                "retire", _encode(body), deadline_ts, counter("retired_count", "retired")
+                "retire", encode_body(body), deadline_ts, counter("retired_count", "retired")
             )
 
     async def forget(self, rollout_ids: Iterable[str], *, checkpoint_id: str, deadline_ts: float) -> int:
@@ -658,7 +502,7 @@ class Coordinator:
                 return 0
             body = {"checkpoint_id": checkpoint_id, "deadline_ts": deadline_ts, "rollout_ids": ids}
             return await self._in_retire_order(
-                "forget", _encode(body), deadline_ts, counter("forgotten_count", "forgotten")
+                "forget", encode_body(body), deadline_ts, counter("forgotten_count", "forgotten")
             )
 
     async def _in_retire_order(

@@ -44,19 +44,17 @@ evaluations) are admitted and tracked, but never cut or exported.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gymckpt import telemetry
 from gymckpt.control.participant import Participant
-from gymckpt.errors import ControlError, InvalidCheckpointState, StaleAttempt
+from gymckpt.errors import ControlError, StaleAttempt
 from gymckpt.identity import AttemptsUpTo, EpisodeId
+from gymckpt.participants.model_calls import CallState, ModelCall
+from gymckpt.participants.model_records import checked_records, staging_keys_of
 from gymckpt.participants.signal import AdmissionGate, ChangeSignal
 
 if TYPE_CHECKING:
@@ -74,74 +72,6 @@ SERVED_REFUSAL = "model restore requires a freshly started model server; this on
 DEFAULT_CUT_SECONDS = 10.0
 
 T = TypeVar("T")
-
-#: the blocker name of a streaming call that carries no rollout (only without a bound plane)
-ANONYMOUS = "(no rollout)"
-
-
-class CallState(StrEnum):
-    """Where a model call is (the names of :meth:`ModelParticipant.counts`)."""
-
-    WAITING = "waiting"
-    IN_FLIGHT = "in_flight"
-    HELD = "held"
-    STREAMING = "streaming"
-    ENDED = "ended"
-
-
-#: a ticket id is this process's random salt and a serial: unique, and no system call per model call
-_TICKET_SALT = secrets.token_hex(8)
-_TICKET_SERIALS = itertools.count()
-
-
-def next_ticket_id() -> str:
-    """A new ticket id (32 hex digits, as the generation-cut inventory requires), unique across processes."""
-    return f"{_TICKET_SALT}{next(_TICKET_SERIALS):016x}"
-
-
-@dataclass(eq=False)
-class ModelCall:
-    """One ``/v1/responses`` call of one episode attempt (``episode`` None: no rollout prefix)."""
-
-    episode: EpisodeId | None
-    stream: bool
-    state: CallState = CallState.WAITING
-    #: the child task running the call's wait, generation and hold (cancelled by retire)
-    task: asyncio.Task[Any] | None = None
-    #: set by retire: the call must stop and answer stale_attempt
-    retired: bool = False
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    #: the inference backend's call id (the ledger's ``model_call_id``)
-    call_id: str = ""
-    #: sha256 of the request's prompt: a restored cut continues only the same request
-    request_digest: str = ""
-    #: why this call is never cut (constrained decoding), or None
-    constrained: str | None = None
-    ticket_id: str = field(default_factory=next_ticket_id)
-    admitted_at: float = field(default_factory=time.time)
-    #: the continuation this checkpoint's cut gave (None: not cut)
-    cut: dict[str, Any] | None = None
-    cut_failed: bool = False
-    #: the whole generation as a terminal cut, once it completed while undelivered (None: not yet)
-    terminal: dict[str, Any] | None = None
-    #: the generation, once complete, as its cut's record keeps it (``{"token_ids", "logprobs", "encoding"}``)
-    prefix: dict[str, Any] | None = None
-    #: the tokens of the cut prefix this checkpoint's cut gave (None: not cut, or not given)
-    cut_prefix: dict[str, Any] | None = None
-    #: the restored cut this call continues (None: none)
-    continues: dict[str, Any] | None = None
-    #: the restored ledger row this call replays (None: none)
-    replays: dict[str, Any] | None = None
-    delivered: bool = False
-    #: whether the call's request may have reached the inference backend. A server that queues
-    #: calls before sending them (a full connection pool) admits them with ``sent=False`` and
-    #: sets it when the request goes out; a cut asks the backend only about sent calls
-    sent: bool = True
-
-    @property
-    def key(self) -> str:
-        """The capture key of the call's attempt (a placeholder without one)."""
-        return self.episode.capture_key if self.episode is not None else ANONYMOUS
 
 
 class ModelParticipant(Participant):
@@ -586,25 +516,7 @@ class ModelParticipant(Participant):
         """
         if self.served:
             raise ControlError(SERVED_REFUSAL)
-        participant = f"{self.kind}/{self.instance}"
-        checked: list[tuple[str, list[dict[str, Any]], dict[str, Any] | None]] = []
-        for record in records:
-            key = record["episode_id"]
-            rows, cuts = record.get("rows", []), record.get("generation_cuts", [])
-            if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-                raise InvalidCheckpointState(
-                    f"model record {key!r}: rows must be a list of objects", participant=participant
-                )
-            if not isinstance(cuts, list) or len(cuts) > 1:
-                raise InvalidCheckpointState(
-                    f"model record {key!r} has more than one undelivered cut", participant=participant
-                )
-            cut = cuts[0] if cuts else None
-            if cut is not None and not _is_cut(cut):
-                raise InvalidCheckpointState(
-                    f"model record {key!r} has a malformed generation cut", participant=participant
-                )
-            checked.append((key, rows, cut))
+        checked = checked_records(records, f"{self.kind}/{self.instance}")
         for key, rows, cut in checked:
             self.ledger[key] = list(rows)  # its own list; the rows themselves are never changed: not copied
             replayable = [
@@ -667,23 +579,3 @@ def _continuation(call: ModelCall, ack: dict[str, Any]) -> dict[str, Any]:
         "terminal_finish_reason": ack.get("terminal_finish_reason"),
         "terminal_stop_reason": ack.get("terminal_stop_reason"),
     }
-
-
-def _is_cut(cut: object) -> bool:
-    if not isinstance(cut, dict) or not isinstance(cut.get("request_digest"), str):
-        return False
-    continuation = cut.get("continuation")
-    return (
-        isinstance(continuation, dict)
-        and isinstance(continuation.get("staging_keys"), list)
-        and bool(continuation["staging_keys"])
-        and type(continuation.get("prefix_token_count")) is int
-    )
-
-
-def staging_keys_of(record: dict[str, Any]) -> list[str]:
-    """The staged token-store keys a model record refers to: its rows' and its cut's, sorted."""
-    keys = {row["staging_key"] for row in record.get("rows", []) if isinstance(row.get("staging_key"), str)}
-    for cut in record.get("generation_cuts", []):
-        keys.update(str(key) for key in cut.get("continuation", {}).get("staging_keys", []))
-    return sorted(keys)

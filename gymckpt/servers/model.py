@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from gymckpt.identity import EpisodeId
-    from gymckpt.participants.model import ModelCall
+    from gymckpt.participants.model_calls import ModelCall
 
 logger = logging.getLogger(__name__)
 

@@ -1237,13 +1237,13 @@ def test_a_reference_servers_bare_422_is_a_typed_failure_with_its_status() -> No
 
 def test_each_operation_encodes_its_body_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     encoded: list[dict[str, Any]] = []
-    original = coordination._encode
+    original = coordination.encode_body
 
     def counting(body: dict[str, Any]) -> bytes:
         encoded.append(body)
         return original(body)
 
-    monkeypatch.setattr(coordination, "_encode", counting)
+    monkeypatch.setattr(coordination, "encode_body", counting)
     with reference_fleet() as (url_of, held, _other):
 
         async def scenario() -> dict[str, int]:
