@@ -26,6 +26,9 @@
  *     configure_encoded names) whose line passes encoded.check_encoded's look, and runs of them
  *     (encoded.EncodedRun) whose lines pass encoded.check_run's, are appended as they are; the
  *     others are left to Python.
+ * note_run(run, seen, ids, longest) -> longest | None
+ *     append_lines' look at a run of lines already in the file (appended there by their producer):
+ *     ids noted, nothing copied.
  * decode_line(line) -> (episode_id, record) | None
  *     codec.decode_line_and_id's answer for a fast line whose id orjson writes without escapes
  *     and whose objects hold no key twice; None where the Python code decides.
@@ -743,8 +746,9 @@ take_encoded(PyObject *record, PyObject **episode_id_out, PyObject **line_out)
 
 /* A run of pre-encoded lines (encoded.EncodedRun: a list of ids, the bytes of their lines) as
  * encoded.check_run accepts it, none of its ids in seen nor twice in it: 1 once its ids are in seen
- * and ids, its lines appended to batch at *filled (grown as needed) and *longest updated; 0 with
- * nothing changed where the Python code decides (and raises); -1 on an error. */
+ * and ids, its lines appended to batch at *filled (grown as needed; batch NULL: nothing copied,
+ * *filled still advanced) and *longest updated; 0 with nothing changed where the Python code
+ * decides (and raises); -1 on an error. */
 static int
 take_run(PyObject *record, PyObject *batch, Py_ssize_t *filled, PyObject *seen, PyObject *ids, Py_ssize_t *longest)
 {
@@ -797,7 +801,7 @@ take_run(PyObject *record, PyObject *batch, Py_ssize_t *filled, PyObject *seen, 
         return 0;
     }
     Py_ssize_t end = *filled + size;
-    if (end > PyByteArray_GET_SIZE(batch) && PyByteArray_Resize(batch, end) < 0) {
+    if (batch != NULL && end > PyByteArray_GET_SIZE(batch) && PyByteArray_Resize(batch, end) < 0) {
         return -1;
     }
     for (Py_ssize_t index = 0; index < count; index++) {
@@ -805,7 +809,9 @@ take_run(PyObject *record, PyObject *batch, Py_ssize_t *filled, PyObject *seen, 
             return -1;
         }
     }
-    memcpy(PyByteArray_AS_STRING(batch) + *filled, data, (size_t)size);
+    if (batch != NULL) {
+        memcpy(PyByteArray_AS_STRING(batch) + *filled, data, (size_t)size);
+    }
     *filled = end;
     if (run_longest > *longest) {
         *longest = run_longest;
@@ -935,6 +941,34 @@ append_lines(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                                   : Py_BuildValue("(nOO)", filled, outcome, record);
     Py_XDECREF(left);
     return answer;
+}
+
+/* note_run(run, seen, ids, longest) -> longest | None
+ *
+ * The look append_lines gives a run (encoded.EncodedRun), for lines already in the file: its ids go
+ * to seen and ids and the answer is the larger of longest and its longest line, nothing copied;
+ * None, with nothing changed, where the Python code decides (encoded.check_run). */
+static PyObject *
+note_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4 || run_type == NULL || (PyObject *)Py_TYPE(args[0]) != run_type || !PyAnySet_CheckExact(args[1]) ||
+        !PyList_CheckExact(args[2]) || !PyLong_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "note_run(run: EncodedRun (configured), seen: set, ids: list, longest: int)");
+        return NULL;
+    }
+    Py_ssize_t longest = PyLong_AsSsize_t(args[3]), filled = 0;
+    if (longest == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int taken = take_run(args[0], NULL, &filled, args[1], args[2], &longest);
+    if (taken < 0) {
+        return NULL;
+    }
+    if (taken == 0) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromSsize_t(longest);
 }
 
 /* ---- decode_line: codec.decode_line_and_id's common case in one call ---- */
@@ -1380,6 +1414,9 @@ static PyMethodDef methods[] = {
     {"encode_line", encode_line, METH_O,
      "encode_line(record) -> (episode_id, line) | None: codec.encode_record's answer for a record it writes "
      "without Python code; None where the Python code decides."},
+    {"note_run", (PyCFunction)(void (*)(void))note_run, METH_FASTCALL,
+     "note_run(run, seen, ids, longest) -> longest | None: append_lines' look at a run of lines already written, "
+     "nothing copied; None where the Python code decides."},
     {"append_lines", (PyCFunction)(void (*)(void))append_lines, METH_FASTCALL,
      "append_lines(records, batch, filled, target, seen, ids[, longest]) -> (filled, ended, record[, longest]): "
      "write_records' loop for the records encode_line writes; returns at target, at the end, or with a record left "

@@ -41,6 +41,8 @@ __all__ = ["TEMP_PREFIX", "LocalBackend"]
 #: O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused right after)
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+#: a records file's temporary file is read back too: what the server's workers appended to it is checked
+_SINK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 def _write_durable(directory: int, name: str, relative: str, data: bytes) -> None:
@@ -112,7 +114,7 @@ class _LocalSink(BlobSink):
         self._offset = 0
         try:
             with os_errors(self._directory, "create a temporary file in"):
-                self._fd = os.open(self._name, _CREATE_FLAGS, 0o644, dir_fd=self._dir_fd)
+                self._fd = os.open(self._name, _SINK_FLAGS, 0o644, dir_fd=self._dir_fd)
         except BaseException:
             self._close_directory()
             raise
@@ -136,6 +138,33 @@ class _LocalSink(BlobSink):
         if _START_WRITEBACK is not None:
             _START_WRITEBACK(self._fd, self._offset, size)  # a head start for finish's fsync; its result is not needed
         self._offset += size
+
+    def append_target(self) -> str | None:
+        """This process's ``/proc`` entry of the temporary file's descriptor, where Linux has it: the
+        same file whatever happens to its directory meanwhile, reachable by this host's processes only."""
+        if self._fd is None:
+            return None
+        target = f"/proc/{os.getpid()}/fd/{self._fd}"
+        return target if os.path.exists(target) else None
+
+    def adopt_appended(self, size: int, producer: str = "another process") -> None:
+        assert self._fd is not None, "adopt_appended after finish or abort"
+        with os_errors(self.temp_path, "stat"):
+            length = os.fstat(self._fd).st_size
+        if size < 0 or length != self._offset + size:
+            raise StorageError(
+                f"{self.temp_path}: {producer} appended {length - self._offset} bytes, not the {size} it named"
+            )
+        with os_errors(self.temp_path, "seek"):
+            os.lseek(self._fd, 0, os.SEEK_END)
+        if _START_WRITEBACK is not None and size:
+            _START_WRITEBACK(self._fd, self._offset, size)
+        self._offset = length
+
+    def read_appended(self, offset: int, size: int) -> bytes:
+        assert self._fd is not None, "read_appended after finish or abort"
+        with os_errors(self.temp_path, "read"):
+            return os.pread(self._fd, size, offset)
 
     def finish(self) -> None:
         assert self._fd is not None, "finish twice or after abort"

@@ -90,6 +90,24 @@ class BlobSink(ABC):
         :meth:`write` (so a wrapper that forwards only ``write`` stays correct)."""
         self.write(chunk)
 
+    def append_target(self) -> str | None:
+        """A path another process of this host may open to append to this sink's file
+        (``O_WRONLY | O_APPEND``), or None (the default): every byte then goes through :meth:`write`.
+
+        After such an append the caller hands the sink the count (:meth:`adopt_appended`)
+        before it writes again, and reads the bytes back (:meth:`read_appended`) to check and hash them.
+        """
+        return None
+
+    def adopt_appended(self, size: int, producer: str = "another process") -> None:
+        """Take the ``size`` bytes ``producer`` appended at the end as written; raises
+        :class:`~gymckpt.errors.StorageError` when the file did not grow by exactly that much."""
+        raise NotImplementedError(f"{type(self).__name__} takes no appends from other processes")
+
+    def read_appended(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of the file from ``offset`` (what :meth:`adopt_appended` took)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no appends from other processes")
+
     @abstractmethod
     def finish(self) -> None:
         """Make the written bytes durable (flush and fsync, or complete the upload)."""

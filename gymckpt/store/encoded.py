@@ -4,6 +4,9 @@
 - :class:`EncodedRun`: consecutive lines in one bytes object with their ids in order (a
   worker's export chunk as it arrived): the writer checks each line's leading id and copies
   the run at once, with no object per line.
+- :class:`AppendedLines`: lines whose producer (a worker process of this host) appends them to the
+  records file itself where the sink allows it (:meth:`~gymckpt.store.backend.BlobSink.append_target`),
+  else hands them over as runs; the writer reads appended lines back to check and hash them.
 - :class:`EncodedRecords`: such records named before any line is read, yielded as they arrive.
 
 The writer neither decodes nor encodes them again: it checks that each line is one line led
@@ -23,11 +26,13 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
 
 __all__ = [
+    "AppendedLines",
     "EncodedRecord",
     "EncodedRecords",
     "EncodedRun",
     "check_encoded",
     "check_run",
+    "note_run",
     "each_line",
     "encoded",
     "exact_size",
@@ -52,6 +57,25 @@ class EncodedRun(NamedTuple):
     lines: bytes
 
 
+class AppendedLines:
+    """The lines of :attr:`episode_ids`, in that order, from a producer that can append them to a file itself."""
+
+    def __init__(self, episode_ids: list[str], producer: str = "another process") -> None:
+        self.episode_ids = episode_ids
+        #: who appends them, as errors name it
+        self.producer = producer
+
+    def append_to(self, target: str) -> int | None:
+        """Have the producer append every line at the end of the file at ``target``; the bytes it
+        appended, or None when it could not open ``target`` and appended nothing (the writer then
+        takes :meth:`runs`). Blocking: called on the writer's thread while nothing else writes the file."""
+        raise NotImplementedError
+
+    def runs(self) -> Iterator[EncodedRun]:
+        """The same lines handed over as runs, for a sink that takes no appends."""
+        raise NotImplementedError
+
+
 class EncodedRecords:
     """Pre-encoded records a writer takes as they arrive (e.g. from a server's workers), never all at once.
 
@@ -67,13 +91,16 @@ class EncodedRecords:
     def __len__(self) -> int:
         return len(self.episode_ids)
 
-    def __iter__(self) -> Iterator[EncodedRecord | EncodedRun]:
+    def __iter__(self) -> Iterator[EncodedRecord | EncodedRun | AppendedLines]:
         raise NotImplementedError
 
 
+#: the accelerator's look at a run already written (see :func:`note_run`); None without it
+_note_run: Any = None
 if _walks.ACCELERATOR is not None and hasattr(_walks.ACCELERATOR, "configure_encoded"):  # one built before it had it
     try:  # append_lines takes their lines as check_encoded and check_run would
         _walks.ACCELERATOR.configure_encoded(EncodedRecord, EncodedRun)
+        _note_run = getattr(_walks.ACCELERATOR, "note_run", None)
     except TypeError:  # one built before runs: their lines go through check_run
         _walks.ACCELERATOR.configure_encoded(EncodedRecord)
 
@@ -134,10 +161,29 @@ def check_run(run: EncodedRun) -> list[tuple[str, bytes]]:
     return pairs
 
 
-def each_line(records: Iterable[EncodedRecord | EncodedRun]) -> Iterator[tuple[str, bytes]]:
+def note_run(run: EncodedRun, seen: set[str], episode_ids: list[str], longest: int) -> int:
+    """Take the lines of ``run``, already written, as a records file's: their ids into ``seen`` and
+    ``episode_ids`` (:class:`InvalidRecord` for one seen before, or a line :func:`check_run` refuses);
+    the larger of ``longest`` and the run's longest line."""
+    if _note_run is not None:
+        noted = _note_run(run, seen, episode_ids, longest)
+        if noted is not None:
+            return noted  # type: ignore[no-any-return]
+    for episode_id, line in check_run(run):
+        if episode_id in seen:
+            raise InvalidRecord(f"episode {episode_id!r} appears twice in one participant's records")
+        seen.add(episode_id)
+        episode_ids.append(episode_id)
+        longest = max(longest, len(line))
+    return longest
+
+
+def each_line(records: Iterable[EncodedRecord | EncodedRun | AppendedLines]) -> Iterator[tuple[str, bytes]]:
     """``(episode_id, line)`` of each pre-encoded record, a run's lines one by one (checked as the writer would)."""
     for record in records:
-        if type(record) is EncodedRun:
+        if isinstance(record, AppendedLines):
+            yield from each_line(record.runs())
+        elif type(record) is EncodedRun:
             yield from check_run(record)
         else:
             yield check_encoded(record)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from gymckpt.errors import (
 )
 from gymckpt.gc_pause import paused_gc
 from gymckpt.store import codec
+from gymckpt.store.appended import take_appended
 from gymckpt.store.bounds import MAX_LINE_BYTES
 from gymckpt.store.codec import (
     decode_line_and_id,
@@ -41,7 +42,7 @@ from gymckpt.store.codec import (
     episode_id_of_line,
     reference_episode_id_of_line,
 )
-from gymckpt.store.encoded import EncodedRecord, EncodedRun, check_encoded, check_run
+from gymckpt.store.encoded import AppendedLines, EncodedRecord, EncodedRun, check_encoded, check_run
 from gymckpt.store.handoffs import quick_handoffs
 from gymckpt.store.lines import TOO_LONG, counted, decode_every_line, lines_of, too_long
 
@@ -154,6 +155,9 @@ class _ChunkWriter(threading.Thread):
 
     def run(self) -> None:
         while (handed := self.inbox.get()) is not _END:
+            if isinstance(handed, threading.Event):  # drain(): everything handed before is written
+                handed.set()
+                continue
             buffer, length = handed  # type: ignore[misc]
             if self.error is None:  # else keep draining so the producer never waits on a dead writer
                 try:
@@ -171,6 +175,12 @@ class _ChunkWriter(threading.Thread):
                     self.error = exc
                     buffer = bytearray()  # the error's traceback may still hold a view of the old one
             self.free.put(buffer)
+
+    def drain(self) -> None:
+        """Return once every chunk handed over so far is written (or the writer failed)."""
+        drained = threading.Event()
+        self.inbox.put(drained)
+        drained.wait()
 
     def empty_buffer(self) -> bytearray:
         """A buffer to fill: a new one while there are fewer than the limit, else the next one
@@ -242,6 +252,27 @@ def _write_chunks(
                 if record is _END:
                     break
                 left_to_python = True
+            if left_to_python and isinstance(record, AppendedLines):
+                appends = getattr(sink, "append_target", None)  # a wrapper of another shape: none
+                appended_to = appends() if appends is not None else None
+                if appended_to is None:  # this sink takes no appends: the same lines come as runs
+                    pending = itertools.chain(record.runs(), pending)
+                    continue
+                if filled:  # the file ends with everything before these lines, written
+                    writer.inbox.put((batch, filled))
+                    handed += filled
+                    batch, filled = writer.empty_buffer(), 0
+                writer.drain()
+                if writer.error is not None:
+                    break
+                taken = take_appended(sink, record, appended_to, writer, seen, episode_ids, longest)
+                if taken is None:  # the producer could not append here: its lines come as runs
+                    pending = itertools.chain(record.runs(), pending)
+                    continue
+                size, longest = taken
+                handed += size
+                del record
+                continue
             if left_to_python:
                 lines: list[tuple[str, bytes]] | tuple[tuple[str, bytes]]
                 if type(record) is EncodedRun:

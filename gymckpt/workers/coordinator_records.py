@@ -89,7 +89,8 @@ class RecordsAcrossWorkers:
         """Every worker's records, gathered (one copy per episode); a worker that fails fails the export.
 
         The workers name their records; their lines move only while the store writes them
-        (:class:`~gymckpt.workers.streams.GatheredLines`), a chunk at a time.
+        (:class:`~gymckpt.workers.streams.GatheredLines`): each worker in turn appends its own
+        to a local records file, which the writer then reads back, or sends them a chunk at a time.
         """
         stream = next(self._streams)
         body = {"episode_ids": scope, "stream": stream}
@@ -111,7 +112,28 @@ class RecordsAcrossWorkers:
         async def fetch(index: int, skip: list[int], pipe: LinePipe) -> None:
             await self._send_lines(index, stream, skip, pipe)
 
-        return GatheredLines(plan, kept_held, fetch, asyncio.get_running_loop())
+        async def append(index: int, skip: list[int], target: str) -> int | None:
+            return await self._append_lines(index, stream, skip, target)
+
+        return GatheredLines(plan, kept_held, fetch, asyncio.get_running_loop(), append)
+
+    async def _append_lines(self, index: int, export_stream: int, skip: list[int], target: str) -> int | None:
+        """Have worker ``index`` append the lines of its export ``export_stream`` (but ``skip``) to the
+        file at ``target``; the bytes it appended, or None when it could not open the file."""
+        try:
+            worker = self.workers.get(index)
+            if worker is None:
+                raise CoordinatorUnavailable(f"{self._who(index)} left after its export; prepare again")
+            body = {"export": export_stream, "stream": next(self._streams), "skip": skip, "append_to": target}
+            reply = await worker.channel.request(Message.SEND_RECORDS, body, timeout=None)
+            if not isinstance(reply, dict) or reply.get("appended") is not True:
+                return None  # it could not open the file: nothing appended, its lines go in chunks
+            size = reply.get("bytes")
+            if type(size) is not int or size < 0:
+                raise InvalidCheckpointState(f"{self._who(index)} appended its records without naming their bytes")
+        except Exception as exc:
+            raise self._named_failure(index, Message.SEND_RECORDS, exc) from None
+        return size
 
     async def _send_lines(self, index: int, export_stream: int, skip: list[int], pipe: LinePipe) -> None:
         """Ask worker ``index`` for the lines of its export ``export_stream`` (but ``skip``) into ``pipe``."""

@@ -56,7 +56,7 @@ from gymckpt.workers import messages
 from gymckpt.workers.channel import Channel
 from gymckpt.workers.messages import Message
 from gymckpt.workers.scatter import read_share
-from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, owner_of
+from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, append_export, encode_export_chunk, owner_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -458,15 +458,38 @@ class WorkerLink:
         return {"records": named, "reply_extra": participant.commit_reply_extra()}
 
     async def _on_send_records(self, body: object) -> dict[str, Any]:
-        """The lines of the last export but ``skip``, in chunks (each waits for its answer), then their count."""
+        """The lines of the last export but ``skip``: appended to the records file ``append_to`` names
+        (the count and bytes), else in chunks (each waits for its answer), then their count."""
         export = _field(body, "export", int)
         stream = _field(body, "stream", int)
         skip = frozenset(_field(body, "skip", list))
         if export != self._export_stream:
             raise InvalidPhase(f"this worker's last export is {self._export_stream}, not {export}: prepare again")
         records, kind = self._exported, self.participant.kind
+        started = time.perf_counter()
+        if "append_to" in body:  # type: ignore[operator]
+            appended = await asyncio.to_thread(
+                append_export,
+                records,
+                kind,
+                self.routing_id,
+                skip,
+                body["append_to"],  # type: ignore[index]
+            )
+            if appended is None:
+                logger.info("%s worker could not open the records file to append to: its lines go in chunks", kind)
+                return {"appended": False}
+            count, size = appended
+            logger.info(
+                "%s worker appended %d records (%d bytes) to the records file in %.3f s",
+                kind,
+                count,
+                size,
+                time.perf_counter() - started,
+            )
+            return {"appended": True, "count": count, "bytes": size}
         sent = chunks = 0
-        started, encoding = time.perf_counter(), 0.0
+        encoding = 0.0
 
         async def encode_from(start: int) -> tuple[list[str], bytes, int, float]:
             began = time.perf_counter()

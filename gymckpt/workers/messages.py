@@ -41,10 +41,13 @@ Coordinator → worker (each replies ``{}`` unless noted):
   the worker exports (and keeps what it exported) and names each record, ``owner`` its routing
   id for a session record (null otherwise); no state moves. Refused with ``invalid_phase`` by a
   worker no longer ready.
-- ``send_records {export, stream, skip}`` → ``{count}``: the lines of the records export
-  ``export`` named, but those at a position in ``skip``, as ``export_chunk`` messages of
+- ``send_records {export, stream, skip[, append_to]}`` → ``{count}``: the lines of the records
+  export ``export`` named, but those at a position in ``skip``, as ``export_chunk`` messages of
   ``stream`` before the reply, ``count`` of them in all (sent while the store writes them;
-  again for a retried write).
+  again for a retried write). With ``append_to`` (the coordinator's ``/proc/<pid>/fd/<n>`` entry
+  of a local records file), the worker appends the lines to that file itself instead →
+  ``{appended: true, count, bytes}``, or ``{appended: false}`` when it cannot open it (nothing
+  appended; the coordinator then asks again without ``append_to``).
 - ``install_chunk {stream, records: [line, …]}``: the next chunk of this worker's share of a
   restore, each record's line as text; kept (decoded) until ``install`` names the stream.
 - ``install_share {stream, checkpoint_dir, manifest, share: [[stored id, key, position, owner | null], …]}``

@@ -20,14 +20,17 @@ until ``install`` names the stream and the count, then installs them all at once
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import re
+import stat
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, InvalidRequest
 from gymckpt.gc_pause import pause_gc
 from gymckpt.store.codec import decode_line, encode_record
-from gymckpt.store.encoded import EncodedRecord, EncodedRecords, EncodedRun
+from gymckpt.store.encoded import AppendedLines, EncodedRecord, EncodedRecords, EncodedRun
 from gymckpt.workers.gather import ExportedRecord
 from gymckpt.workers.placement import is_routing_id, is_whole_episode
 
@@ -40,6 +43,8 @@ __all__ = [
     "LinePipe",
     "PIPE_WINDOW",
     "LineRef",
+    "WorkerLines",
+    "append_export",
     "InstallStaging",
     "encode_export_chunk",
     "exported_run",
@@ -213,6 +218,9 @@ def _refuse(taken: asyncio.Future[None]) -> None:
 #: ``fetch(index, skip, pipe)``: ask worker ``index`` for its kept lines (all but the positions in
 #: ``skip``) into ``pipe``, and finish the pipe; run on the coordinator's loop
 Fetch = Callable[[int, list[int], LinePipe], Coroutine[Any, Any, None]]
+#: ``append(index, skip, target)``: have worker ``index`` append the same lines to the file at
+#: ``target``; the bytes it appended, or None when it could not open the file (nothing appended)
+Append = Callable[[int, list[int], str], Coroutine[Any, Any, "int | None"]]
 
 
 class GatheredLines(EncodedRecords):
@@ -228,14 +236,16 @@ class GatheredLines(EncodedRecords):
         held: list[EncodedRecord],
         fetch: Fetch,
         loop: asyncio.AbstractEventLoop,
+        append: Append | None = None,
     ) -> None:
         super().__init__([key for _, _, keys in plan for key in keys] + [record.episode_id for record in held])
         self.plan = plan
         self.held = held
         self.fetch = fetch
+        self.append = append
         self.loop = loop
 
-    def __iter__(self) -> Iterator[EncodedRecord | EncodedRun]:
+    def __iter__(self) -> Iterator[EncodedRecord | WorkerLines]:
         """The lines, in gathering order: iterate on another thread than the coordinator's loop (the store's writer)."""
         try:
             running = asyncio.get_running_loop()
@@ -245,7 +255,7 @@ class GatheredLines(EncodedRecords):
             raise RuntimeError("a commit's gathered lines are read on a thread of their own, not on the event loop")
         for index, skip, keys in self.plan:
             if keys:
-                yield from self._worker_lines(index, skip, keys)
+                yield WorkerLines(self, index, skip, keys)
         yield from self.held
 
     def _worker_lines(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRun]:
@@ -268,6 +278,71 @@ class GatheredLines(EncodedRecords):
             pipe.close()
             if not running.done():
                 running.cancel()
+
+
+class WorkerLines(AppendedLines):
+    """One worker's kept lines: appended to the records file by the worker itself where the store's
+    sink allows it (a local file), else sent to the coordinator in chunks (runs)."""
+
+    def __init__(self, gathered: GatheredLines, index: int, skip: list[int], keys: list[str]) -> None:
+        super().__init__(keys, f"worker {index}")
+        self.gathered, self.index, self.skip = gathered, index, skip
+
+    def append_to(self, target: str) -> int | None:
+        loop, append = self.gathered.loop, self.gathered.append
+        if append is None:
+            return None
+        running = asyncio.run_coroutine_threadsafe(append(self.index, self.skip, target), loop)
+        while True:
+            try:
+                return running.result(timeout=1.0)
+            except TimeoutError:
+                if loop.is_closed():
+                    running.cancel()
+                    raise CoordinatorUnavailable("the coordinator's event loop ended during a write") from None
+
+    def runs(self) -> Iterator[EncodedRun]:
+        return self.gathered._worker_lines(self.index, self.skip, self.episode_ids)
+
+
+#: where a worker appends its lines: its coordinator's descriptor of the records file, through /proc
+_APPEND_TARGET = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
+
+
+def append_export(
+    records: list[dict[str, Any]],
+    kind: str,
+    owner: str | None,
+    skip: Set[int],
+    target: object,
+    limit: int = CHUNK_BYTES,
+) -> tuple[int, int] | None:
+    """A worker's side of :meth:`WorkerLines.append_to`: its records (but those at a position in
+    ``skip``) encoded a chunk at a time (:func:`encode_export_chunk`) and appended to the file at
+    ``target``; the count and the bytes appended, or None when ``target`` cannot be opened here
+    (nothing appended: the coordinator asks for chunks instead). ``target`` must be a ``/proc``
+    descriptor entry of a regular file (:class:`InvalidRequest` otherwise)."""
+    if not isinstance(target, str) or not _APPEND_TARGET.fullmatch(target):
+        raise InvalidRequest(f"records are appended to a records file of this server's coordinator, not to {target!r}")
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidRequest(f"{target} is not a regular file: no records are appended to it")
+        count = size = start = 0
+        while start < len(records):
+            episode_ids, lines, start = encode_export_chunk(records, start, kind, owner, limit, skip)
+            view = memoryview(lines)
+            while view:
+                view = view[os.write(fd, view) :]
+            count += len(episode_ids)
+            size += len(lines)
+            del lines, view
+        return count, size
+    finally:
+        os.close(fd)
 
 
 def _first_other(sent: list[str], named: list[str]) -> str:

@@ -572,3 +572,15 @@ def test_an_encoded_line_takes_its_own_length_in_memory_however_long_it_is_kept(
     assert kept[0].line == encode_record(record)[1]
     # orjson's own output of this record keeps a buffer of about twelve times its length
     assert held < 50 * (length + 256), (held, length)
+
+
+@needs_accelerator
+def test_note_run_takes_a_written_run_s_ids_and_leaves_a_bad_one_with_nothing_changed() -> None:
+    good = _run(*_fast(3))
+    seen, ids = {"before"}, ["before"]
+    longest = _exact.note_run(good, seen, ids, 5)
+    assert longest == max(map(len, good.lines.splitlines(keepends=True)))
+    assert ids == ["before", "e0", "e1", "e2"] and seen == set(ids)
+    for bad in (_run(*_fast(5, start=3), {"episode_id": "e3"}), _run({"episode_id": "e0"}), EncodedRun(["x"], b"")):
+        assert _exact.note_run(bad, seen, ids, 0) is None
+        assert ids == ["before", "e0", "e1", "e2"] and seen == set(ids)

@@ -24,10 +24,12 @@ from gymckpt.control.plane import ControlPlane
 from gymckpt.control.plane_restore import ScopeRecords
 from gymckpt.errors import InvalidCheckpointState, InvalidRecord
 from gymckpt.store import open_store
+from gymckpt.store._local import _LocalSink
 from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
 from gymckpt.store.encoded import check_run
 from gymckpt.testing.participant import FakeParticipant
 from gymckpt.testing.time import until
+from gymckpt.workers import link as link_module
 from gymckpt.workers.coordinator_fields import with_session_id
 from gymckpt.workers.placement import whole_episode_rule
 from gymckpt.workers.scatter import (
@@ -83,9 +85,12 @@ def _count_calls(running: Cluster, name: str) -> list[int]:
     return seen
 
 
-async def test_a_commit_larger_than_a_chunk_moves_in_several_chunks_and_writes_the_one_worker_file(
-    tmp_path: Path,
+@pytest.mark.parametrize("path", ["appended", "chunks"])
+async def test_a_commit_larger_than_a_chunk_is_appended_or_moves_in_chunks_and_writes_the_one_worker_file(
+    tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each worker appends its lines to the local records file itself; where the sink takes no
+    appends, they reach the coordinator in several chunks. Either way the file is the one-worker file."""
     keys = {index: [f"w{index}-{n}" for n in range(PER_WORKER)] for index in (1, 2)}
     single = FakeParticipant(KIND, INSTANCE)
     for index in (1, 2):
@@ -98,8 +103,11 @@ async def test_a_commit_larger_than_a_chunk_moves_in_several_chunks_and_writes_t
         assert reply.status_code == 200, reply.text
     await plane.close()
 
+    if path == "chunks":
+        monkeypatch.setattr(_LocalSink, "append_target", lambda self: None)
     async with cluster(tmp_path, 2) as running:
         chunks = _count_calls(running, "export_chunk")
+        appends = _count_calls(running, "_append_lines")
         for worker in running.workers:
             for number, key in enumerate(keys[worker.index]):
                 worker.fake.start(key, _state(worker.index * 100 + number))
@@ -107,9 +115,12 @@ async def test_a_commit_larger_than_a_chunk_moves_in_several_chunks_and_writes_t
         reply = await running.workers[1].call("commit", request("c1", checkpoint_dir=str(tmp_path / "two")))
         assert reply.status_code == 200, reply.text
         assert reply.json()["episode_ids"] == sorted(keys[1] + keys[2])
-    # every worker's part came in several chunks, and the records file is the one-worker file, byte for byte
-    assert chunks.count(1) > 1
-    assert chunks.count(2) > 1
+    if path == "appended":  # one append per worker, no chunk
+        assert appends == [1, 2] and chunks == []
+    else:  # every worker's part came in several chunks
+        assert appends == []
+        assert chunks.count(1) > 1
+        assert chunks.count(2) > 1
     one_manifest, one_bytes = _records_file(tmp_path / "one")
     two_manifest, two_bytes = _records_file(tmp_path / "two")
     assert two_bytes == one_bytes
@@ -117,24 +128,28 @@ async def test_a_commit_larger_than_a_chunk_moves_in_several_chunks_and_writes_t
     assert two_manifest.record_count == 2 * PER_WORKER
 
 
+@pytest.mark.parametrize("path", ["appended", "chunks"])
 async def test_a_worker_lost_in_the_middle_of_its_lines_fails_the_commit_named_and_leaves_no_manifest(
-    tmp_path: Path,
+    tmp_path: Path, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if path == "chunks":
+        monkeypatch.setattr(_LocalSink, "append_target", lambda self: None)
     async with cluster(tmp_path, 2) as running:
         one, two = running.workers
         for worker in running.workers:
             for number in range(PER_WORKER):
                 worker.fake.start(f"w{worker.index}-{number}", _state(number))
-        original = running.coordinator.export_chunk
+        name = "_append_lines" if path == "appended" else "export_chunk"
+        original = getattr(running.coordinator, name)
         cut: list[int] = []
 
-        async def cut_after_the_first_chunk(index: int, body: object) -> Any:
+        async def cut_in_its_lines(index: int, *args: Any) -> Any:
             if index == two.index and not cut:
                 cut.append(index)
                 await running.coordinator.workers[index].channel.close()  # the connection dies mid-stream
-            return await original(index, body)
+            return await original(index, *args)
 
-        running.coordinator.export_chunk = cut_after_the_first_chunk  # type: ignore[method-assign]
+        setattr(running.coordinator, name, cut_in_its_lines)
         assert (await one.call("prepare", request("c1"))).json()["phase"] == "prepared"
         reply = await one.call("commit", request("c1", checkpoint_dir=str(tmp_path / "ck")))
         assert cut == [two.index]
@@ -143,6 +158,44 @@ async def test_a_worker_lost_in_the_middle_of_its_lines_fails_the_commit_named_a
         assert f"{KIND} worker {two.index}" in reply.json()["error"]["detail"]
         assert _manifests(tmp_path / "ck") == []
         assert two.lost == ["lost"]  # the worker took its coordinator as gone
+
+
+def _appending_wrongly(how: str) -> Any:
+    """A worker's append that writes other bytes than it names: one line more, or another id."""
+    real = link_module.append_export
+
+    def wrong(records: list[dict[str, Any]], kind: str, owner: Any, skip: Any, target: Any) -> Any:
+        if how == "another_id":
+            records = [{**records[0], "episode_id": "intruder"}, *records[1:]]
+        appended = real(records, kind, owner, skip, target)
+        if how == "a_line_more":
+            with open(target, "ab") as file:
+                file.write(b'{"episode_id":"intruder"}\n')
+        return appended
+
+    return wrong
+
+
+@pytest.mark.parametrize("how", ["a_line_more", "another_id"])
+async def test_a_worker_appending_other_lines_than_it_named_fails_the_commit_and_leaves_no_manifest(
+    tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(link_module, "append_export", _appending_wrongly(how))
+    async with cluster(tmp_path, 2) as running:
+        one, _ = running.workers
+        for worker in running.workers:
+            for number in range(3):
+                worker.fake.start(f"w{worker.index}-{number}", _state(number))
+        assert (await one.call("prepare", request("c1"))).json()["phase"] == "prepared"
+        reply = await one.call("commit", request("c1", checkpoint_dir=str(tmp_path / "ck")))
+        assert reply.status_code >= 400, reply.text
+        detail = reply.json()["error"]["detail"]
+        if how == "a_line_more":
+            assert f"worker {one.index} appended" in detail and "bytes, not the" in detail, detail
+        else:
+            assert f"in the lines worker {one.index} appended" in detail and "'intruder'" in detail, detail
+        assert _manifests(tmp_path / "ck") == []
+        assert [entry.name for entry in (tmp_path / "ck").rglob("*") if entry.is_file()] == []
 
 
 def _session_records(count: int) -> list[dict[str, Any]]:

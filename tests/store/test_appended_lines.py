@@ -1,0 +1,109 @@
+"""Lines another process appends to a local records file itself: read back, checked and hashed in order.
+
+The producer here is this process opening the sink's ``/proc`` entry, as a server's worker does;
+the file must be the one written from the same records handed over, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from gymckpt import errors
+from gymckpt.store import appended as appended_module
+from gymckpt.store import open_store
+from gymckpt.store.encoded import AppendedLines, EncodedRun, encoded
+from gymckpt.testing.values import assert_identical, sample_records
+
+
+class FileAppender(AppendedLines):
+    """Appends the lines of ``records`` (bytes ``tail`` after them) to the target, or refuses to (``opens``)."""
+
+    def __init__(self, records: list[dict[str, Any]], *, opens: bool = True, tail: bytes = b"") -> None:
+        self.lines = [encoded(record) for record in records]
+        super().__init__([line.episode_id for line in self.lines], "the test's appender")
+        self.opens, self.tail = opens, tail
+        self.targets: list[str] = []
+        self.runs_taken = 0
+
+    def append_to(self, target: str) -> int | None:
+        self.targets.append(target)
+        if not self.opens:
+            return None
+        data = b"".join(line.line for line in self.lines)
+        with open(target, "ab") as file:
+            file.write(data + self.tail)
+        return len(data)
+
+    def runs(self) -> Iterator[EncodedRun]:
+        self.runs_taken += 1
+        yield EncodedRun(self.episode_ids[:2], b"".join(line.line for line in self.lines[:2]))
+        yield EncodedRun(self.episode_ids[2:], b"".join(line.line for line in self.lines[2:]))
+
+
+def _write(store: Any, name: str, records: list[Any]) -> Any:
+    return store.write_participant(name, kind="k", instance="i", checkpoint_id="c", records=records)
+
+
+@pytest.mark.parametrize("read_back", [64, 4 << 20])
+def test_appended_lines_make_the_same_file_as_the_records_handed_over(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, read_back: int
+) -> None:
+    monkeypatch.setattr(appended_module, "READ_BACK", read_back)  # 64: pieces grow past lines longer than that
+    store = open_store(str(tmp_path))
+    records = sample_records(40, payload=300)
+    before, middle, after = records[:5], records[5:35], records[35:]
+    plain = _write(store, "plain", records)
+    appender = FileAppender(middle)
+    mixed = _write(store, "mixed", [*before, appender, *(encoded(record) for record in after)])
+    assert len(appender.targets) == 1 and appender.targets[0].startswith("/proc/") and appender.runs_taken == 0
+    assert mixed.records_sha256 == plain.records_sha256 and mixed.records_bytes == plain.records_bytes
+    assert mixed.episode_ids == plain.episode_ids and mixed.max_record_bytes == plain.max_record_bytes
+    assert_identical(records, list(store.read_participant("mixed", kind="k", instance="i")))
+
+
+def test_a_producer_that_cannot_open_the_file_hands_its_lines_over_as_runs(tmp_path) -> None:
+    store = open_store(str(tmp_path))
+    records = sample_records(12)
+    appender = FileAppender(records[2:], opens=False)
+    manifest = _write(store, "runs", [*records[:2], appender])
+    assert len(appender.targets) == 1 and appender.runs_taken == 1
+    assert manifest.records_sha256 == _write(store, "plain", records).records_sha256
+
+
+def test_a_sink_without_appends_takes_the_lines_as_runs(tmp_path) -> None:
+    store = open_store(f"memory://{tmp_path.name}")
+    records = sample_records(12)
+    appender = FileAppender(records)
+    manifest = _write(store, "runs", [appender])
+    assert appender.targets == [] and appender.runs_taken == 1
+    assert manifest.records_sha256 == _write(store, "plain", records).records_sha256
+
+
+def test_more_bytes_appended_than_named_are_refused_and_nothing_is_published(tmp_path) -> None:
+    store = open_store(str(tmp_path))
+    appender = FileAppender(sample_records(12), tail=b'{"episode_id":"extra"}\n')
+    with pytest.raises(errors.StorageError, match=r"the test's appender appended \d+ bytes, not the \d+ it named"):
+        _write(store, "bad", [appender])
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
+
+
+def test_fewer_lines_appended_than_named_are_refused_and_nothing_is_published(tmp_path) -> None:
+    store = open_store(str(tmp_path))
+    appender = FileAppender(sample_records(12))
+    appender.episode_ids = [*appender.episode_ids, "never-appended"]
+    with pytest.raises(errors.InvalidRecord, match="appended 12 lines for the 13 records named"):
+        _write(store, "bad", [appender])
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
+
+
+def test_an_appended_line_led_by_another_id_is_refused(tmp_path) -> None:
+    store = open_store(str(tmp_path))
+    records = sample_records(6)
+    appender = FileAppender(records)
+    appender.episode_ids = [*appender.episode_ids[:3], "other", *appender.episode_ids[4:]]
+    with pytest.raises(errors.InvalidRecord, match="in the lines the test's appender appended"):
+        _write(store, "bad", [appender])
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
