@@ -27,13 +27,15 @@ from gymckpt.store.capabilities import (
     LINK_CAPABILITY,
     LinkSupport,
     allow_no_link_from_environment,
+    find_writeback,
     link_unsupported,
     probe_link_at,
+    takes_appends,
 )
 from gymckpt.store.layout import TEMP_PREFIX
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from typing import BinaryIO
 
 __all__ = ["TEMP_PREFIX", "LocalBackend"]
@@ -66,34 +68,7 @@ def _write_all(fd: int, data: bytes | memoryview) -> int:
     return size
 
 
-#: sync_file_range(2)'s flag that starts the writeback of a range and returns without waiting for it
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _find_writeback() -> Callable[[int, int, int], object] | None:
-    """``start(fd, offset, count)``: Linux's ``sync_file_range(..., SYNC_FILE_RANGE_WRITE)`` (from ``os``
-    where it has it, else from libc through ctypes); None elsewhere.
-
-    A sink starts the writeback of each chunk it wrote while the next one is being encoded,
-    so the final fsync finds little left to write. Only a head start: the fsync is still what
-    makes the file durable, and an error here (a filesystem that does not support it) is ignored.
-    """
-    if hasattr(os, "sync_file_range"):  # not in CPython's os up to 3.13
-        return lambda fd, offset, count: os.sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]
-    if os.uname().sysname != "Linux":
-        return None
-    try:
-        import ctypes
-
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (ImportError, OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
-    return lambda fd, offset, count: function(fd, offset, count, _SYNC_FILE_RANGE_WRITE)
-
-
-_START_WRITEBACK = _find_writeback()
+_START_WRITEBACK = find_writeback()
 
 
 def _close_all(fds: list[int]) -> None:
@@ -107,6 +82,7 @@ class _LocalSink(BlobSink):
         self._directory = safe_relative_path(directory)
         self._name = f"{TEMP_PREFIX}{secrets.token_hex(8)}.part"
         self.temp_path = join(self._directory, self._name)
+        self._takes_appends = takes_appends(backend.root)
         self._dir_fd: int | None = backend.open_directory(self._directory, create=True)
         self._fd: int | None = None
         self._published = False
@@ -145,7 +121,7 @@ class _LocalSink(BlobSink):
         if self._fd is None:
             return None
         target = f"/proc/{os.getpid()}/fd/{self._fd}"
-        return target if os.path.exists(target) else None
+        return target if self._takes_appends and os.path.exists(target) else None
 
     def adopt_appended(self, size: int, producer: str = "another process") -> None:
         assert self._fd is not None, "adopt_appended after finish or abort"

@@ -22,21 +22,31 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import threading
 from contextlib import suppress
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from gymckpt.store.layout import TEMP_PREFIX
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 __all__ = [
     "ALLOW_NO_LINK_ENV",
+    "APPENDING_FILESYSTEMS",
     "LINK_CAPABILITY",
     "NO_LINK_ERRNOS",
     "LinkSupport",
     "allow_no_link_from_environment",
+    "filesystem_type",
+    "find_writeback",
     "link_unsupported",
     "probe_link",
     "probe_link_at",
+    "takes_appends",
 ]
 
 #: the capability a filesystem without link() lacks, as error messages name it
@@ -140,3 +150,69 @@ class LinkSupport:
         """True once some filesystem under the backend refused ``link()``."""
         with self._lock:
             return bool(self._refused)
+
+
+#: filesystems whose files another process of this host may append to while the store holds them
+#: open: its bytes are at once in the size and the reads of every descriptor (one page cache). A
+#: FUSE or network mount (MooseFS, NFS) may cache a file's size per descriptor: its records then
+#: reach the writer through it
+APPENDING_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs", "zfs", "overlay"})
+
+
+#: how mountinfo writes a space, a tab, a newline or a backslash in a mount point
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` (absolute, resolved) is on, from ``/proc/self/mountinfo``
+    (or the text given); None where there is none to read."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as file:
+                mountinfo = file.read()
+        except OSError:
+            return None
+    found, longest = None, -1
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if "-" not in fields[6:] or len(fields) < 5:
+            continue
+        point = _OCTAL_ESCAPE.sub(lambda escape: chr(int(escape.group(1), 8)), fields[4])
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= longest:  # the deepest mount; a later one over the same point hides it
+            found, longest = fields[fields.index("-", 6) + 1], len(point)
+    return found
+
+
+@lru_cache(maxsize=64)
+def takes_appends(path: str) -> bool:
+    """Whether records files under ``path`` may be appended to by the server's other processes
+    (the filesystem is one of :data:`APPENDING_FILESYSTEMS`); asked once per path."""
+    return filesystem_type(path) in APPENDING_FILESYSTEMS
+
+
+#: sync_file_range(2)'s flag that starts the writeback of a range and returns without waiting for it
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def find_writeback() -> Callable[[int, int, int], object] | None:
+    """``start(fd, offset, count)``: Linux's ``sync_file_range(..., SYNC_FILE_RANGE_WRITE)`` (from ``os``
+    where it has it, else from libc through ctypes); None elsewhere.
+
+    A sink starts the writeback of each chunk it wrote while the next one is being encoded,
+    so the final fsync finds little left to write. Only a head start: the fsync is still what
+    makes the file durable, and an error here (a filesystem that does not support it) is ignored.
+    """
+    if hasattr(os, "sync_file_range"):  # not in CPython's os up to 3.13
+        return lambda fd, offset, count: os.sync_file_range(fd, offset, count, _SYNC_FILE_RANGE_WRITE)  # type: ignore[attr-defined]
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (ImportError, OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return lambda fd, offset, count: function(fd, offset, count, _SYNC_FILE_RANGE_WRITE)

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from gymckpt import errors
+from gymckpt.store import _local as local_module
 from gymckpt.store import appended as appended_module
 from gymckpt.store import open_store
+from gymckpt.store.capabilities import APPENDING_FILESYSTEMS, filesystem_type
 from gymckpt.store.encoded import AppendedLines, EncodedRun, encoded
 from gymckpt.testing.values import assert_identical, sample_records
 
@@ -107,3 +109,41 @@ def test_an_appended_line_led_by_another_id_is_refused(tmp_path) -> None:
     with pytest.raises(errors.InvalidRecord, match="in the lines the test's appender appended"):
         _write(store, "bad", [appender])
     assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
+
+
+def test_a_filesystem_that_may_cache_sizes_per_descriptor_takes_the_lines_as_runs(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_module, "takes_appends", lambda path: False)  # as on a FUSE or NFS mount
+    store = open_store(str(tmp_path))
+    records = sample_records(12)
+    appender = FileAppender(records)
+    manifest = _write(store, "runs", [appender])
+    assert appender.targets == [] and appender.runs_taken == 1
+    assert manifest.records_sha256 == _write(store, "plain", records).records_sha256
+
+
+MOUNTINFO = "\n".join(
+    [
+        r"36 35 98:0 /mnt1 /mnt/my\040dir rw,noatime master:1 - ext4 /dev/root rw,errors=continue",
+        r"37 36 0:5 / /mnt/my\040dir/moose rw shared:2 - fuse.mfs mfsmaster:9421 rw",
+        "38 1 0:6 / / rw - overlay overlay rw",
+        "39 38 0:7 / /srv/nfs rw - nfs4 server:/export rw",
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "kind", "appends"),
+    [
+        ("/mnt/my dir/ckpt", "ext4", True),
+        ("/mnt/my dir", "ext4", True),
+        ("/mnt/my dir/moose/ckpt", "fuse.mfs", False),
+        ("/mnt/my dir/mooseX", "ext4", True),
+        ("/srv/nfs/a/b", "nfs4", False),
+        ("/etc", "overlay", True),
+    ],
+)
+def test_the_filesystem_of_a_path_is_its_deepest_mount_s(path: str, kind: str, appends: bool) -> None:
+    assert filesystem_type(path, MOUNTINFO) == kind
+    assert (kind in APPENDING_FILESYSTEMS) is appends

@@ -16,6 +16,7 @@ import pytest
 from gymckpt.store import CheckpointStore
 from gymckpt.store import _local as local_module
 from gymckpt.store._local import LocalBackend
+from gymckpt.store.capabilities import find_writeback
 from gymckpt.testing.values import assert_identical, sample_records
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
@@ -23,7 +24,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sy
 
 @linux_only
 def test_sync_file_range_is_found_on_linux_and_works_on_a_real_file(tmp_path) -> None:
-    start = local_module._find_writeback()
+    start = find_writeback()
     assert start is not None
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
