@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Collection, Iterable, Iterator
 
     from gymckpt.store.backend import StorageBackend
-    from gymckpt.store.encoded import EncodedRecord, EncodedRun
+    from gymckpt.store.encoded import PreEncoded
     from gymckpt.store.manifest import Manifest
     from gymckpt.store.publication import CheckpointIndex
     from gymckpt.store.records import WriteStop
@@ -89,7 +89,7 @@ class CheckpointStore:
         kind: str,
         instance: str,
         checkpoint_id: str,
-        records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
+        records: Iterable[dict[str, Any] | PreEncoded],
         extra: dict[str, Any] | None = None,
         stop: WriteStop | None = None,
     ) -> Manifest:

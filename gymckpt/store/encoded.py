@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AppendedLines",
+    "PreEncoded",
     "EncodedRecord",
     "EncodedRecords",
     "EncodedRun",
@@ -68,12 +69,17 @@ class AppendedLines:
     def append_to(self, target: str) -> int | None:
         """Have the producer append every line at the end of the file at ``target``; the bytes it
         appended, or None when it could not open ``target`` and appended nothing (the writer then
-        takes :meth:`runs`). Blocking: called on the writer's thread while nothing else writes the file."""
+        takes :meth:`runs`). Blocking: called on the writer's thread while nothing else writes the
+        file; a :class:`~gymckpt.store.records.WriteStop` is seen once it returns."""
         raise NotImplementedError
 
     def runs(self) -> Iterator[EncodedRun]:
         """The same lines handed over as runs, for a sink that takes no appends."""
         raise NotImplementedError
+
+
+#: what a records writer takes besides record dicts
+PreEncoded = EncodedRecord | EncodedRun | AppendedLines
 
 
 class EncodedRecords:
@@ -91,7 +97,7 @@ class EncodedRecords:
     def __len__(self) -> int:
         return len(self.episode_ids)
 
-    def __iter__(self) -> Iterator[EncodedRecord | EncodedRun | AppendedLines]:
+    def __iter__(self) -> Iterator[PreEncoded]:
         raise NotImplementedError
 
 
@@ -178,7 +184,7 @@ def note_run(run: EncodedRun, seen: set[str], episode_ids: list[str], longest: i
     return longest
 
 
-def each_line(records: Iterable[EncodedRecord | EncodedRun | AppendedLines]) -> Iterator[tuple[str, bytes]]:
+def each_line(records: Iterable[PreEncoded]) -> Iterator[tuple[str, bytes]]:
     """``(episode_id, line)`` of each pre-encoded record, a run's lines one by one (checked as the writer would)."""
     for record in records:
         if isinstance(record, AppendedLines):

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from typing import BinaryIO
 
     from gymckpt.store.backend import StorageBackend
-    from gymckpt.store.encoded import EncodedRecord, EncodedRun
+    from gymckpt.store.encoded import PreEncoded
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ def commit_participant(
     kind: str,
     instance: str,
     checkpoint_id: str,
-    records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
+    records: Iterable[dict[str, Any] | PreEncoded],
     extra: dict[str, Any] | None = None,
     stop: WriteStop | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,

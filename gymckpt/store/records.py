@@ -8,7 +8,9 @@ thread reads and hashes chunks while the caller's thread splits lines and decode
 the records in scope. Memory stays bounded by a few chunks plus the largest record: the
 writer measures its longest line (the manifest's ``max_record_bytes``) and a reader holds
 no line longer than its :attr:`RecordsCheck.line_limit` (:mod:`gymckpt.store.bounds`),
-whatever the bytes on disk.
+whatever the bytes on disk. Lines a server's worker appends to a local records file itself
+(:class:`~gymckpt.store.encoded.AppendedLines`) are read back, checked and hashed in their
+place in the file (:mod:`gymckpt.store.appended`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from gymckpt.store.codec import (
     episode_id_of_line,
     reference_episode_id_of_line,
 )
-from gymckpt.store.encoded import AppendedLines, EncodedRecord, EncodedRun, check_encoded, check_run
+from gymckpt.store.encoded import AppendedLines, EncodedRecord, EncodedRun, PreEncoded, check_encoded, check_run
 from gymckpt.store.handoffs import quick_handoffs
 from gymckpt.store.lines import TOO_LONG, counted, decode_every_line, lines_of, too_long
 
@@ -197,7 +199,7 @@ class _ChunkWriter(threading.Thread):
 
 def write_records(
     sink: BlobSink,
-    records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
+    records: Iterable[dict[str, Any] | PreEncoded],
     *,
     stop: WriteStop | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -217,7 +219,7 @@ def write_records(
 
 def _write_chunks(
     sink: BlobSink,
-    records: Iterable[dict[str, Any] | EncodedRecord | EncodedRun],
+    records: Iterable[dict[str, Any] | PreEncoded],
     stop: WriteStop | None,
     chunk_size: int,
 ) -> RecordsSummary:
