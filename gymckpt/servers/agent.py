@@ -22,17 +22,15 @@ environment re-invokes the agent after a crash), and the first activation of a r
 session that repeats its last completed one returns that reply without calling the model.
 
 State changes only in step boundary callbacks, and messages are append-only, so a boundary
-is a cheap :class:`_ConversationSnapshot` (a message count into the list) materialised only
+is a cheap :class:`~gymckpt.servers.agent_state.ConversationSnapshot` (a message count into the list) materialised only
 at export. With checkpointing off there is no participant and no rollout context: each
 ``/v1/responses`` is a session of its own and downstream calls carry no prefix.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -56,12 +54,22 @@ from gymckpt.participants.agent import (
     AgentSessionParticipant,
     PlainActivation,
     RestartOnlyAgentParticipant,
-    materialize,
 )
 from gymckpt.participants.rollout import current_episode, episode_context
 from gymckpt.participants.steps import StepMode
+from gymckpt.servers.agent_state import (
+    Conversation,
+    ConversationSnapshot,
+    ModelTurn,
+    RunState,
+    Seeded,
+    Session,
+    ToolResult,
+    input_digest,
+    same_snapshot,
+)
 from gymckpt.servers.base import Downstream, ServerConfig, build_app
-from gymckpt.servers.json_body import FastJSONResponse, canonical_json, parse_json, read_json_object
+from gymckpt.servers.json_body import FastJSONResponse, parse_json, read_json_object
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -142,214 +150,6 @@ def _items(value: object) -> list[dict[str, Any]]:
     raise AgentRequestError("input must be a string or a list of message objects")
 
 
-def input_digest(items: list[dict[str, Any]]) -> str:
-    """The sha256 of an activation's input (canonical JSON), to recognise a replayed activation."""
-    return hashlib.sha256(canonical_json(items)).hexdigest()
-
-
-# ----------------------------------------------------------------------------- conversation state
-
-
-@dataclass(frozen=True, slots=True)
-class _ModelTurn:
-    """A parsed model reply: a function call, or a final text, and the reasoning items before it."""
-
-    call: dict[str, Any] | None
-    text: str
-    reasoning: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class _ToolResult:
-    arguments: dict[str, Any]
-    reply: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class _ConversationSnapshot:
-    """A lazy boundary: a prefix of the append-only message list, materialised at export."""
-
-    messages: list[dict[str, Any]]
-    length: int
-    expected: int
-    activation: tuple[str, int] | None
-    pending_call: dict[str, Any] | None
-    last: dict[str, Any] | None
-
-    def __call__(self) -> dict[str, Any]:
-        return {
-            "messages": self.messages[: self.length],
-            "expected": self.expected,
-            "activation": None
-            if self.activation is None
-            else {"input_sha256": self.activation[0], "turns": self.activation[1]},
-            "pending_call": self.pending_call,
-            "last": self.last,
-        }
-
-
-class _Conversation:
-    """A session's turn-loop state; it changes only in step boundary callbacks."""
-
-    __slots__ = ("activation", "expected", "last", "messages", "pending_call", "restored")
-
-    def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = []
-        self.expected = 0
-        #: (input digest, model calls so far) of the activation in progress
-        self.activation: tuple[str, int] | None = None
-        #: a function call the model asked for whose tool call has not completed
-        self.pending_call: dict[str, Any] | None = None
-        #: ``{"input_sha256", "reply"}`` of the last completed activation
-        self.last: dict[str, Any] | None = None
-        #: restored and no activation ran since
-        self.restored = False
-
-    @classmethod
-    def from_boundary(cls, boundary: object) -> _Conversation:
-        """The conversation a materialised boundary describes (None: a new one)."""
-        conversation = cls()
-        if boundary is None:
-            return conversation
-        if not isinstance(boundary, dict):
-            raise AgentError(f"a conversation boundary must be an object, not {type(boundary).__name__}")
-        conversation.messages = list(boundary.get("messages") or [])
-        conversation.expected = int(boundary.get("expected") or 0)
-        activation = boundary.get("activation")
-        if activation is not None:
-            conversation.activation = (str(activation["input_sha256"]), int(activation["turns"]))
-        conversation.pending_call = boundary.get("pending_call")
-        conversation.last = boundary.get("last")
-        return conversation
-
-    def snapshot(self) -> _ConversationSnapshot:
-        return _ConversationSnapshot(
-            self.messages, len(self.messages), self.expected, self.activation, self.pending_call, self.last
-        )
-
-    def begin(self, items: list[dict[str, Any]], digest: str) -> _ConversationSnapshot:
-        """A new activation: its input joins the conversation."""
-        self.messages.extend(items)
-        self.activation = (digest, 0)
-        self.pending_call = None
-        return self.snapshot()
-
-    def apply_model(self, turn: _ModelTurn) -> _ConversationSnapshot:
-        assert self.activation is not None
-        digest, turns = self.activation
-        self.activation = (digest, turns + 1)
-        self.messages.extend(turn.reasoning)  # the model's reasoning stays in the conversation, as sent
-        if turn.call is not None:
-            self.messages.append(turn.call)
-            self.pending_call = turn.call
-            return self.snapshot()
-        self.messages.append({"role": "assistant", "content": turn.text})
-        return self._finish(turn.text)
-
-    def apply_tool(self, call: dict[str, Any], result: _ToolResult) -> _ConversationSnapshot:
-        n = result.arguments.get("n")
-        if isinstance(n, int) and not isinstance(n, bool):
-            self.expected += n
-        self.messages.append(
-            {
-                "role": "tool",
-                "call_id": call.get("call_id"),
-                "name": call["name"],
-                "content": json.dumps(result.reply, separators=(",", ":")),
-            }
-        )
-        self.pending_call = None
-        return self.snapshot()
-
-    def give_up(self) -> _ConversationSnapshot:
-        """max_turns reached without a final message."""
-        return self._finish("")
-
-    def _finish(self, text: str) -> _ConversationSnapshot:
-        assert self.activation is not None
-        digest, turns = self.activation
-        self.last = {"input_sha256": digest, "reply": {"output_text": text, "turns": turns, "expected": self.expected}}
-        self.activation = None
-        self.pending_call = None
-        return self.snapshot()
-
-
-class _Session:
-    """One agent session (a rollout attempt): its settings and its conversation."""
-
-    __slots__ = ("conversation", "settings")
-
-    def __init__(self, settings: dict[str, Any], conversation: _Conversation) -> None:
-        self.settings = settings
-        self.conversation = conversation
-
-
-@dataclass(frozen=True, slots=True)
-class _RunSnapshot:
-    """A legacy run's lazy boundary."""
-
-    seeded: bool
-    verify_mode: str
-    verify: dict[str, Any] | None
-    conversation: object
-
-    def __call__(self) -> dict[str, Any]:
-        return {
-            "seeded": self.seeded,
-            "verify_mode": self.verify_mode,
-            "verify": self.verify,
-            "conversation": materialize(self.conversation),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class _Seeded:
-    reply: dict[str, Any]
-    verify_mode: str
-    restart: bool
-
-
-class _RunState:
-    """A legacy run: seeded?, the verify mode the seed reply reported, the loop, the verify reply."""
-
-    __slots__ = ("conversation", "seeded", "verify", "verify_mode")
-
-    def __init__(self) -> None:
-        self.seeded = False
-        self.verify_mode = "wait"
-        self.verify: dict[str, Any] | None = None
-        self.conversation = _Conversation()
-
-    @classmethod
-    def from_boundary(cls, boundary: object) -> _RunState:
-        state = cls()
-        if boundary is None:
-            return state
-        if not isinstance(boundary, dict):
-            raise AgentError(f"a run boundary must be an object, not {type(boundary).__name__}")
-        state.seeded = bool(boundary.get("seeded"))
-        state.verify_mode = str(boundary.get("verify_mode") or "wait")
-        state.verify = boundary.get("verify")
-        state.conversation = _Conversation.from_boundary(boundary.get("conversation"))
-        return state
-
-    def wrap(self, conversation: _ConversationSnapshot) -> _RunSnapshot:
-        return _RunSnapshot(self.seeded, self.verify_mode, self.verify, conversation)
-
-    def apply_seed(self, seeded: _Seeded, items: list[dict[str, Any]]) -> _RunSnapshot:
-        self.seeded = True
-        self.verify_mode = seeded.verify_mode
-        return self.wrap(self.conversation.begin(items, input_digest(items)))
-
-    def apply_verify(self, reply: dict[str, Any]) -> _RunSnapshot:
-        self.verify = reply
-        return self.wrap(self.conversation.snapshot())
-
-
-def _same(snapshot: _ConversationSnapshot) -> object:
-    return snapshot
-
-
 # ----------------------------------------------------------------------------- the agent
 
 
@@ -360,7 +160,7 @@ class SimpleAgent:
         self.config = config
         self.downstream = downstream
         #: live sessions by capture key
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, Session] = {}
 
     # --------------------------------------------------------------- session hooks
 
@@ -373,17 +173,17 @@ class SimpleAgent:
 
         A boundary that describes no conversation is ``invalid_checkpoint_state`` naming its session.
         """
-        restored: dict[str, _Session] = {}
+        restored: dict[str, Session] = {}
         for key, entry in states.items():
             try:
-                conversation = _Conversation.from_boundary(entry.get("boundary"))
+                conversation = Conversation.from_boundary(entry.get("boundary"))
             except (AgentError, ArithmeticError, LookupError, TypeError, ValueError) as exc:
                 raise InvalidCheckpointState(
                     f"the restored conversation of agent session {key!r} cannot be used: {exc}"
                 ) from exc
             conversation.restored = True
             settings = entry.get("state")
-            restored[key] = _Session(dict(settings) if isinstance(settings, dict) else {}, conversation)
+            restored[key] = Session(dict(settings) if isinstance(settings, dict) else {}, conversation)
         self.sessions.update(restored)
 
     async def retire_agent_session(self, key: str) -> None:
@@ -404,7 +204,7 @@ class SimpleAgent:
         settings = {"resources_url": body.resources_url or self.config.resources_url, "tools": body.tools}
         session = self.sessions.get(key) if key is not None else None
         if session is None:
-            session = _Session(settings, _Conversation())
+            session = Session(settings, Conversation())
             if key is not None:
                 self.sessions[key] = session
         else:
@@ -418,17 +218,21 @@ class SimpleAgent:
         if conversation.activation is None or conversation.activation[0] != digest:
             await activation.record(lambda: conversation.begin(items, digest))
         return await self._turn_loop(
-            conversation, tools=body.tools, resources_url=settings["resources_url"], activation=activation, wrap=_same
+            conversation,
+            tools=body.tools,
+            resources_url=settings["resources_url"],
+            activation=activation,
+            wrap=same_snapshot,
         )
 
     async def _turn_loop(
         self,
-        conversation: _Conversation,
+        conversation: Conversation,
         *,
         tools: list[dict[str, Any]],
         resources_url: str | None,
         activation: PlainActivation,
-        wrap: Callable[[_ConversationSnapshot], object],
+        wrap: Callable[[ConversationSnapshot], object],
     ) -> dict[str, Any]:
         """Model call (replay) → tool call (wait) until a final message or max_turns."""
         while conversation.activation is not None:
@@ -448,12 +252,12 @@ class SimpleAgent:
         assert conversation.last is not None
         return dict(conversation.last["reply"])
 
-    async def _call_model(self, conversation: _Conversation, tools: list[dict[str, Any]]) -> _ModelTurn:
+    async def _call_model(self, conversation: Conversation, tools: list[dict[str, Any]]) -> ModelTurn:
         body = {"model": self.config.model, "input": conversation.messages, "tools": tools}
         reply, _ = await self.downstream.post(self.config.model_url, "/v1/responses", body)
         return _parse_model_reply(reply)
 
-    async def _call_tool(self, resources_url: str | None, call: dict[str, Any]) -> _ToolResult:
+    async def _call_tool(self, resources_url: str | None, call: dict[str, Any]) -> ToolResult:
         if not resources_url:
             raise AgentRequestError(f"the model called tool {call.get('name')!r} but no resources_url is known")
         try:
@@ -463,7 +267,7 @@ class SimpleAgent:
         if not isinstance(arguments, dict):
             raise AgentError(f"tool call arguments must be an object: {call.get('arguments')!r}")
         reply, _ = await self.downstream.post(resources_url, "/" + call["name"], arguments)
-        return _ToolResult(arguments, reply)
+        return ToolResult(arguments, reply)
 
     # --------------------------------------------------------------- legacy /run
 
@@ -490,7 +294,7 @@ class SimpleAgent:
         if not resources_url:
             raise AgentRequestError("a legacy /run needs a resources_url (in the row or the agent's config)")
         task_input = row.get("task_input") or {}
-        state = _RunState.from_boundary(activation.boundary if activation.restored else None)
+        state = RunState.from_boundary(activation.boundary if activation.restored else None)
         if not state.seeded:
             seeded = await activation.step(
                 StepMode.REPLAY,
@@ -512,10 +316,10 @@ class SimpleAgent:
         verify = state.verify or {}
         return {"reward": verify.get("reward"), "response": response}
 
-    async def _seed(self, resources_url: str, task_input: object) -> _Seeded:
+    async def _seed(self, resources_url: str, task_input: object) -> Seeded:
         reply, headers = await self.downstream.post(resources_url, "/seed_session", {"task_input": task_input})
         mode = "replay" if headers.get("x-ng-checkpoint-verify") == "replay" else "wait"
-        return _Seeded(reply, mode, headers.get("x-ng-checkpoint-restart") == "1")
+        return Seeded(reply, mode, headers.get("x-ng-checkpoint-restart") == "1")
 
     async def _verify(self, resources_url: str, response: dict[str, Any]) -> dict[str, Any]:
         body = {"response": response["output_text"], "expected": response["expected"]}
@@ -523,7 +327,7 @@ class SimpleAgent:
         return reply
 
 
-def _parse_model_reply(reply: dict[str, Any]) -> _ModelTurn:
+def _parse_model_reply(reply: dict[str, Any]) -> ModelTurn:
     output = reply.get("output")
     if not isinstance(output, list):
         raise AgentError("the model reply has no output list")
@@ -540,7 +344,7 @@ def _parse_model_reply(reply: dict[str, Any]) -> _ModelTurn:
             arguments = item.get("arguments", "{}")
             if not isinstance(arguments, str):
                 arguments = json.dumps(arguments)
-            return _ModelTurn(
+            return ModelTurn(
                 {"type": "function_call", "name": name, "arguments": arguments, "call_id": item.get("call_id")},
                 "",
                 tuple(reasoning),
@@ -548,14 +352,14 @@ def _parse_model_reply(reply: dict[str, Any]) -> _ModelTurn:
         elif item.get("type") == "message" or item.get("role") == "assistant":
             content = item.get("content")
             if isinstance(content, str):
-                return _ModelTurn(None, content, tuple(reasoning))
+                return ModelTurn(None, content, tuple(reasoning))
             if isinstance(content, list):
                 text = "".join(
                     part.get("text", "")
                     for part in content
                     if isinstance(part, dict) and part.get("type") in ("output_text", "text")
                 )
-                return _ModelTurn(None, text, tuple(reasoning))
+                return ModelTurn(None, text, tuple(reasoning))
     raise AgentError("the model reply has neither a function_call nor a message")
 
 

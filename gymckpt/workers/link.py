@@ -9,8 +9,9 @@ worker's share of the work) and connects it to the coordinator in the main proce
   the coordinator's marks go into the participant's fence, and if a checkpoint is open the
   worker closes at once and reports;
 - it answers the coordinator's messages (:mod:`gymckpt.workers.messages`) by calling its
-  participant; ``export`` re-checks readiness first and sends each record encoded once
-  (:func:`gymckpt.store.encoded.encoded`) as text, in chunks that each wait for their answer;
+  participant; ``export`` re-checks readiness first; ``send_records`` encodes each record
+  once (:func:`gymckpt.store.codec.encode_record`) and appends the lines to the coordinator's
+  local records file itself, or sends them as bytes in chunks that each wait for their answer;
   ``install_chunk`` keeps a restore's records (decoded) until ``install`` installs them
   (:mod:`gymckpt.workers.streams`);
 - while closed it pushes numbered reports (``report {generation, seq, report}``) when the

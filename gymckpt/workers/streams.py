@@ -2,11 +2,14 @@
 
 Commit: a worker's ``export`` reply names its records (``[episode_id, owner]``, no state),
 so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line moves. The
-store's writer then iterates :class:`GatheredLines` on its own thread: for each worker in
-turn the coordinator asks for the kept records (``send_records``), the worker encodes them
-(each once, :func:`gymckpt.store.codec.encode_record`, each line copied into its chunk at once)
-into chunks of about :data:`CHUNK_BYTES` (:func:`encode_export_chunk`) and sends each as
-``export_chunk``, its lines as bytes beside the JSON; a chunk is answered as it arrives while
+store's writer then iterates :class:`GatheredLines` on its own thread, one
+:class:`WorkerLines` per worker in turn. Where the store's sink is a local file, the worker
+appends its kept records to it itself (``send_records`` with ``append_to``,
+:func:`append_export`) and the writer reads them back to check and hash them. Otherwise the
+worker encodes them (each once, :func:`gymckpt.store.codec.encode_record`, each line copied
+into its chunk at once) into chunks of about :data:`CHUNK_BYTES` (:func:`encode_export_chunk`)
+and sends each as ``export_chunk``, its lines as bytes beside the ids, which reach the writer as
+one run (:class:`~gymckpt.store.encoded.EncodedRun`); a chunk is answered as it arrives while
 few wait for the writer, else once the writer takes it (:class:`LinePipe`): the coordinator
 holds a few chunks, never the records, and a worker holds one chunk beside its live state.
 
