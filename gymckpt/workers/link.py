@@ -477,8 +477,7 @@ class WorkerLink:
                 skip,
                 body["append_to"],  # type: ignore[index]
             )
-            if appended is None:
-                logger.info("%s worker could not open the records file to append to: its lines go in chunks", kind)
+            if appended is None:  # append_export logged why
                 return {"appended": False}
             count, size = appended
             logger.info(

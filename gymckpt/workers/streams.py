@@ -23,6 +23,7 @@ until ``install`` names the stream and the count, then installs them all at once
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import re
@@ -54,6 +55,8 @@ __all__ = [
     "exported_refs",
     "owner_of",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: about how many bytes of encoded lines one chunk carries (a record longer than that goes alone)
 CHUNK_BYTES = 512 << 10
@@ -329,7 +332,8 @@ def append_export(
         raise InvalidRequest(f"records are appended to a records file of this server's coordinator, not to {target!r}")
     try:
         fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-    except OSError:
+    except OSError as exc:
+        logger.info("%s worker cannot open %s to append its records (%s): they go in chunks", kind, target, exc)
         return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

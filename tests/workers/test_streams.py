@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import random
 import re
 import string
@@ -22,7 +23,7 @@ import gymckpt.workers.scatter as scatter_module
 from gymckpt import gc_pause
 from gymckpt.control.plane import ControlPlane
 from gymckpt.control.plane_restore import ScopeRecords
-from gymckpt.errors import InvalidCheckpointState, InvalidRecord
+from gymckpt.errors import InvalidCheckpointState, InvalidRecord, InvalidRequest
 from gymckpt.store import open_store
 from gymckpt.store._local import _LocalSink
 from gymckpt.store.codec import decode_line, encode_record, rekeyed_line
@@ -42,7 +43,7 @@ from gymckpt.workers.scatter import (
     survey,
     survey_lines,
 )
-from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, encode_export_chunk, exported_run
+from gymckpt.workers.streams import CHUNK_BYTES, InstallStaging, append_export, encode_export_chunk, exported_run
 
 from ..support import error_code
 from .cluster import INSTANCE, KIND, call, client_of, cluster, control_app, request
@@ -582,3 +583,15 @@ def test_encoding_an_export_chunk_holds_about_the_chunk_not_a_buffer_per_line() 
     assert after == 2000 and len(ids) == 2000 and lines.count(b"\n") == 2000
     # each line orjson writes keeps a 4 KiB buffer while it lives: 8 MB if the chunk's lines were kept apart
     assert peak < 4 * len(lines) + 200 * len(ids), (peak, len(lines))
+
+
+def test_a_worker_that_cannot_open_the_records_file_says_why_and_appends_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    records = [{"episode_id": f"k{number}", "state": _state(number)} for number in range(3)]
+    gone = f"/proc/{os.getpid()}/fd/999999"
+    with caplog.at_level(logging.INFO, logger="gymckpt.workers.streams"):
+        assert append_export(records, "resources", ROUTING[0], frozenset(), gone) is None
+    assert f"cannot open {gone} to append its records" in caplog.text and "they go in chunks" in caplog.text
+    with pytest.raises(InvalidRequest, match="not to '/tmp/elsewhere'"):
+        append_export(records, "resources", ROUTING[0], frozenset(), "/tmp/elsewhere")
