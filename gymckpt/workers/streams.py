@@ -264,7 +264,8 @@ class GatheredLines(EncodedRecords):
                 yield WorkerLines(self, index, skip, keys)
         yield from self.held
 
-    def _worker_lines(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRun]:
+    def worker_runs(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRun]:
+        """Worker ``index``'s kept lines (all but ``skip``) as the runs of its chunks, each checked against ``keys``."""
         pipe = LinePipe(self.loop)
         running = asyncio.run_coroutine_threadsafe(self.fetch(index, skip, pipe), self.loop)
         position = 0
@@ -308,7 +309,7 @@ class WorkerLines(AppendedLines):
                     raise CoordinatorUnavailable("the coordinator's event loop ended during a write") from None
 
     def runs(self) -> Iterator[EncodedRun]:
-        return self.gathered._worker_lines(self.index, self.skip, self.episode_ids)
+        return self.gathered.worker_runs(self.index, self.skip, self.episode_ids)
 
 
 #: where a worker appends its lines: its coordinator's descriptor of the records file, through /proc
