@@ -129,7 +129,7 @@ class _LocalSink(BlobSink):
             length = os.fstat(self._fd).st_size
         if size < 0 or length != self._offset + size:
             raise StorageError(
-                f"{self.temp_path}: {producer} appended {length - self._offset} bytes, not the {size} it named"
+                f"{self.temp_path}: {producer} appended {length - self._offset} bytes, not the {size} named"
             )
         with os_errors(self.temp_path, "seek"):
             os.lseek(self._fd, 0, os.SEEK_END)

@@ -1,7 +1,9 @@
 """The records writer's side of lines another process appended to the records file itself.
 
-A server's worker appends its encoded lines to its coordinator's local records file
-(:class:`~gymckpt.store.encoded.AppendedLines`); :func:`take_appended` then reads them back a
+A server's workers append their encoded lines to their coordinator's local records file
+(:class:`~gymckpt.store.encoded.AppendedLines`), all at once: each write holds whole lines, and
+the producer says which ids the file now holds in which order
+(:class:`~gymckpt.store.encoded.AppendedRegion`). :func:`take_appended` then reads them back a
 piece at a time, checks each piece's lines as a run (one per named id, each led by it, none seen
 before) and hashes them in file order, so the manifest says what the file holds, whoever wrote it.
 """
@@ -11,13 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from gymckpt.errors import InvalidRecord
-from gymckpt.store.encoded import EncodedRun, note_run
+from gymckpt.store.encoded import AppendedRegion, EncodedRun, note_run
 
 if TYPE_CHECKING:
     import hashlib
+    from collections.abc import Iterable
 
     from gymckpt.store.backend import BlobSink
-    from gymckpt.store.encoded import AppendedLines
+    from gymckpt.store.encoded import AppendedLines, AppendedPiece
 
 __all__ = ["READ_BACK", "take_appended"]
 
@@ -40,16 +43,40 @@ def take_appended(
     seen: set[str],
     episode_ids: list[str],
     longest: int,
-) -> tuple[int, int] | None:
+) -> tuple[int, int, Iterable[EncodedRun]] | None:
     """Have ``lines``' producer append them at ``target`` (the writer idle), then read them back a
     piece at a time: each piece's lines checked as a run's (:func:`~gymckpt.store.encoded.note_run`)
-    and hashed in order. The bytes appended and the longest line; None when the producer appended
-    nothing because it could not open ``target``."""
+    and hashed in order. The bytes appended, the longest line and the runs of the lines not
+    appended (to write after them); None when the producer appended nothing because it could not
+    open ``target``."""
     start = writer.size
-    size = lines.append_to(target)
-    if size is None:
+    appended = lines.append_to(target)
+    if appended is None:
         return None
-    sink.adopt_appended(size, lines.producer)
+    if isinstance(appended, AppendedRegion):
+        size, rest = appended.size, appended.rest
+        sink.adopt_appended(size, lines.producer)
+        longest = _take_pieces(
+            sink, appended.pieces, start, writer, (seen, episode_ids), longest, len(lines.episode_ids)
+        )
+    else:
+        size, rest = appended, ()
+        sink.adopt_appended(size, lines.producer)
+        longest = _take_lines(sink, lines, start, size, writer, (seen, episode_ids), longest)
+    writer.size += size
+    return size, longest, rest
+
+
+def _take_lines(
+    sink: BlobSink,
+    lines: AppendedLines,
+    start: int,
+    size: int,
+    writer: Writer,
+    taken_ids: tuple[set[str], list[str]],
+    longest: int,
+) -> int:
+    """Read back the ``size`` bytes one producer appended at ``start``, in pieces of whole lines."""
     names, taken, offset = lines.episode_ids, 0, 0
     while offset < size:
         length = min(READ_BACK, size - offset)
@@ -63,14 +90,50 @@ def take_appended(
             raise InvalidRecord(f"the lines {lines.producer} appended end after {offset} of the {size} bytes named")
         piece = piece[: end or len(piece)]
         count = piece.count(b"\n")
-        try:
-            longest = note_run(EncodedRun(names[taken : taken + count], piece), seen, episode_ids, longest)
-        except InvalidRecord as exc:
-            raise InvalidRecord(f"in the lines {lines.producer} appended: {exc}") from exc
-        writer.hasher.update(piece)  # the writer is idle: nothing else is hashed meanwhile
+        longest = _note(EncodedRun(names[taken : taken + count], piece), lines.producer, writer, taken_ids, longest)
         taken += count
         offset += len(piece)
     if taken != len(names):
         raise InvalidRecord(f"{lines.producer} appended {taken} lines for the {len(names)} records named")
-    writer.size += size
-    return size, longest
+    return longest
+
+
+def _take_pieces(
+    sink: BlobSink,
+    pieces: list[AppendedPiece],
+    start: int,
+    writer: Writer,
+    taken_ids: tuple[set[str], list[str]],
+    longest: int,
+    records: int,
+) -> int:
+    """Read back the pieces several producers appended at once: they must follow each other from
+    ``start`` on, each holding exactly the lines it names."""
+    offset, named = start, 0
+    for piece in pieces:
+        if piece.offset != offset:
+            raise InvalidRecord(
+                f"{piece.producer} named {piece.length} bytes at byte {piece.offset} of the records file, "
+                f"where the appended lines go on at byte {offset}"
+            )
+        named += len(piece.episode_ids)
+        if named > records:
+            raise InvalidRecord(f"the appended pieces name more lines than the {records} records of {piece.producer}'s")
+        data = sink.read_appended(piece.offset, piece.length)
+        if len(data) != piece.length:
+            raise InvalidRecord(
+                f"the lines {piece.producer} appended end after {len(data)} of the {piece.length} bytes named"
+            )
+        longest = _note(EncodedRun(piece.episode_ids, data), piece.producer, writer, taken_ids, longest)
+        offset += piece.length
+    return longest
+
+
+def _note(run: EncodedRun, producer: str, writer: Writer, taken_ids: tuple[set[str], list[str]], longest: int) -> int:
+    """Check ``run`` (read back) as its producer's lines, then hash it: the writer is idle meanwhile."""
+    try:
+        longest = note_run(run, *taken_ids, longest)
+    except InvalidRecord as exc:
+        raise InvalidRecord(f"in the lines {producer} appended: {exc}") from exc
+    writer.hasher.update(run.lines)
+    return longest

@@ -7,6 +7,7 @@
 - :class:`AppendedLines`: lines whose producer (a worker process of this host) appends them to the
   records file itself where the sink allows it (:meth:`~gymckpt.store.backend.BlobSink.append_target`),
   else hands them over as runs; the writer reads appended lines back to check and hash them.
+  Several producers appending at once say where their lines landed (:class:`AppendedRegion`).
 - :class:`EncodedRecords`: such records named before any line is read, yielded as they arrive.
 
 The writer neither decodes nor encodes them again: it checks that each line is one line led
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AppendedLines",
+    "AppendedPiece",
+    "AppendedRegion",
     "PreEncoded",
     "EncodedRecord",
     "EncodedRecords",
@@ -58,19 +61,49 @@ class EncodedRun(NamedTuple):
     lines: bytes
 
 
+class AppendedPiece(NamedTuple):
+    """One write of lines that several processes appended at once: where in the file it landed (a
+    byte offset), its length, the ids of its lines in order, and who wrote it (as errors name it)."""
+
+    offset: int
+    length: int
+    episode_ids: list[str]
+    producer: str
+
+
+class AppendedRegion(NamedTuple):
+    """What :meth:`AppendedLines.append_to` appended when several processes appended at once.
+
+    ``pieces``, in file order, must tile the bytes appended exactly; together they hold each of
+    :attr:`AppendedLines.episode_ids` at most once. ``rest`` hands over the lines that were not
+    appended (a process that could not open the file) as runs, written after the pieces.
+    """
+
+    pieces: list[AppendedPiece]
+    rest: Iterable[EncodedRun] = ()
+
+    @property
+    def size(self) -> int:
+        """The bytes appended."""
+        return sum(piece.length for piece in self.pieces)
+
+
 class AppendedLines:
-    """The lines of :attr:`episode_ids`, in that order, from a producer that can append them to a file itself."""
+    """The lines of :attr:`episode_ids` from a producer that can append them to a file itself (in that
+    order, or in the order its :class:`AppendedRegion` names)."""
 
     def __init__(self, episode_ids: list[str], producer: str = "another process") -> None:
         self.episode_ids = episode_ids
         #: who appends them, as errors name it
         self.producer = producer
 
-    def append_to(self, target: str) -> int | None:
-        """Have the producer append every line at the end of the file at ``target``; the bytes it
-        appended, or None when it could not open ``target`` and appended nothing (the writer then
-        takes :meth:`runs`). Blocking: called on the writer's thread while nothing else writes the
-        file; a :class:`~gymckpt.store.records.WriteStop` is seen once it returns."""
+    def append_to(self, target: str) -> int | AppendedRegion | None:
+        """Have the producer append every line at the end of the file at ``target``: the bytes it
+        appended (its lines in the order of :attr:`episode_ids`), or an :class:`AppendedRegion`
+        (several processes appended theirs at once), or None when it could not open ``target`` and
+        appended nothing (the writer then takes :meth:`runs`). Blocking: called on the writer's
+        thread while nothing else writes the file; a :class:`~gymckpt.store.records.WriteStop` is
+        seen once it returns."""
         raise NotImplementedError
 
     def runs(self) -> Iterator[EncodedRun]:

@@ -271,9 +271,10 @@ def _write_chunks(
                 if taken is None:  # the producer could not append here: its lines come as runs
                     pending = itertools.chain(record.runs(), pending)
                     continue
-                size, longest = taken
+                size, longest, rest = taken
                 handed += size
-                del record
+                pending = itertools.chain(rest, pending)  # lines a producer could not append: runs, after
+                del record, rest
                 continue
             if left_to_python:
                 lines: list[tuple[str, bytes]] | tuple[tuple[str, bytes]]

@@ -27,7 +27,15 @@ from gymckpt.workers.scatter import (
     survey,
     survey_lines,
 )
-from gymckpt.workers.streams import CHUNK_BYTES, GatheredLines, LinePipe, LineRef, exported_refs, exported_run
+from gymckpt.workers.streams import (
+    CHUNK_BYTES,
+    GatheredLines,
+    LinePipe,
+    LineRef,
+    appended_pieces,
+    exported_refs,
+    exported_run,
+)
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -117,9 +125,12 @@ class RecordsAcrossWorkers:
 
         return GatheredLines(plan, kept_held, fetch, asyncio.get_running_loop(), append)
 
-    async def _append_lines(self, index: int, export_stream: int, skip: list[int], target: str) -> int | None:
+    async def _append_lines(
+        self, index: int, export_stream: int, skip: list[int], target: str
+    ) -> list[tuple[int, int, int]] | None:
         """Have worker ``index`` append the lines of its export ``export_stream`` (but ``skip``) to the
-        file at ``target``; the bytes it appended, or None when it could not open the file."""
+        file at ``target`` (other workers append theirs meanwhile): where each of its writes landed,
+        ``(offset, length, count)`` in its order, or None when it could not open the file."""
         try:
             worker = self.workers.get(index)
             if worker is None:
@@ -128,12 +139,9 @@ class RecordsAcrossWorkers:
             reply = await worker.channel.request(Message.SEND_RECORDS, body, timeout=None)
             if not isinstance(reply, dict) or reply.get("appended") is not True:
                 return None  # it could not open the file: nothing appended, its lines go in chunks
-            size = reply.get("bytes")
-            if type(size) is not int or size < 0:
-                raise InvalidCheckpointState(f"{self._who(index)} appended its records without naming their bytes")
+            return appended_pieces(reply.get("pieces"), self._who(index))
         except Exception as exc:
             raise self._named_failure(index, Message.SEND_RECORDS, exc) from None
-        return size
 
     async def _send_lines(self, index: int, export_stream: int, skip: list[int], pipe: LinePipe) -> None:
         """Ask worker ``index`` for the lines of its export ``export_stream`` (but ``skip``) into ``pipe``."""

@@ -479,15 +479,15 @@ class WorkerLink:
             )
             if appended is None:  # append_export logged why
                 return {"appended": False}
-            count, size = appended
             logger.info(
-                "%s worker appended %d records (%d bytes) to the records file in %.3f s",
+                "%s worker appended %d records (%d bytes) to the records file in %d writes in %.3f s",
                 kind,
-                count,
-                size,
+                sum(count for _, _, count in appended),
+                sum(size for _, size, _ in appended),
+                len(appended),
                 time.perf_counter() - started,
             )
-            return {"appended": True, "count": count, "bytes": size}
+            return {"appended": True, "pieces": appended}
         sent = chunks = 0
         encoding = 0.0
 

@@ -3,10 +3,10 @@
 Commit: a worker's ``export`` reply names its records (``[episode_id, owner]``, no state),
 so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line moves. The
 store's writer then iterates :class:`GatheredLines` on its own thread, one
-:class:`WorkerLines` per worker in turn. Where the store's sink is a local file, the worker
-appends its kept records to it itself (``send_records`` with ``append_to``,
-:func:`append_export`) and the writer reads them back to check and hash them. Otherwise the
-worker encodes them (each once, :func:`gymckpt.store.codec.encode_record`, each line copied
+:class:`WorkersLines` for all the workers. Where the store's sink is a local file, the workers
+append their kept records to it themselves, all at once (``send_records`` with ``append_to``,
+:func:`append_export`: each write whole lines, and where it landed named), and the writer reads
+them back to check and hash them. Otherwise a worker after the other encodes them (each once, :func:`gymckpt.store.codec.encode_record`, each line copied
 into its chunk at once) into chunks of about :data:`CHUNK_BYTES` (:func:`encode_export_chunk`)
 and sends each as ``export_chunk``, its lines as bytes beside the ids, which reach the writer as
 one run (:class:`~gymckpt.store.encoded.EncodedRun`); a chunk is answered as it arrives while
@@ -34,12 +34,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from gymckpt.errors import CoordinatorUnavailable, InvalidCheckpointState, InvalidPhase, InvalidRequest
 from gymckpt.gc_pause import pause_gc
 from gymckpt.store.codec import decode_line, encode_record
-from gymckpt.store.encoded import AppendedLines, EncodedRecord, EncodedRecords, EncodedRun
+from gymckpt.store.encoded import (
+    AppendedLines,
+    AppendedPiece,
+    AppendedRegion,
+    EncodedRecord,
+    EncodedRecords,
+    EncodedRun,
+)
 from gymckpt.workers.gather import ExportedRecord
 from gymckpt.workers.placement import is_routing_id, is_whole_episode
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Set
+    from collections.abc import Iterable, Iterator, Set
 
 __all__ = [
     "CHUNK_BYTES",
@@ -47,8 +54,9 @@ __all__ = [
     "LinePipe",
     "PIPE_WINDOW",
     "LineRef",
-    "WorkerLines",
+    "WorkersLines",
     "append_export",
+    "appended_pieces",
     "InstallStaging",
     "encode_export_chunk",
     "exported_run",
@@ -117,6 +125,30 @@ def exported_run(episode_ids: object, blob: object, who: str) -> EncodedRun:
             f"{who} sent an export chunk of {len(episode_ids)} records whose lines do not end with a newline"
         )
     return EncodedRun(episode_ids, blob)
+
+
+def appended_pieces(pieces: object, who: str) -> list[tuple[int, int, int]]:
+    """A worker's ``send_records`` reply naming where its writes landed: ``[offset, length, count]``
+    each, non-negative integers with at least one byte and one line, in increasing file order (the
+    store's writer then checks that every piece holds the lines it names)."""
+    if not isinstance(pieces, list):
+        raise InvalidCheckpointState(f"{who} appended its records without naming where they are")
+    checked: list[tuple[int, int, int]] = []
+    end = 0
+    for piece in pieces:
+        if (
+            not isinstance(piece, list)
+            or len(piece) != 3
+            or not all(type(number) is int for number in piece)
+            or piece[0] < end
+            or piece[1] < 1
+            or piece[2] < 1
+        ):
+            raise InvalidCheckpointState(f"{who} named an appended piece as {piece!r:.80}, not [offset, length, count]")
+        offset, length, count = piece
+        checked.append((offset, length, count))
+        end = offset + length
+    return checked
 
 
 class LineRef(NamedTuple):
@@ -225,8 +257,10 @@ def _refuse(taken: asyncio.Future[None]) -> None:
 #: ``skip``) into ``pipe``, and finish the pipe; run on the coordinator's loop
 Fetch = Callable[[int, list[int], LinePipe], Coroutine[Any, Any, None]]
 #: ``append(index, skip, target)``: have worker ``index`` append the same lines to the file at
-#: ``target``; the bytes it appended, or None when it could not open the file (nothing appended)
-Append = Callable[[int, list[int], str], Coroutine[Any, Any, "int | None"]]
+#: ``target``; the pieces it appended, in its order (``(offset, length, count)`` of each write:
+#: where in the file it landed, its bytes and its lines), or None when it could not open the file
+#: (nothing appended)
+Append = Callable[[int, list[int], str], Coroutine[Any, Any, "list[tuple[int, int, int]] | None"]]
 
 
 class GatheredLines(EncodedRecords):
@@ -251,7 +285,7 @@ class GatheredLines(EncodedRecords):
         self.append = append
         self.loop = loop
 
-    def __iter__(self) -> Iterator[EncodedRecord | WorkerLines]:
+    def __iter__(self) -> Iterator[EncodedRecord | WorkersLines]:
         """The lines, in gathering order: iterate on another thread than the coordinator's loop (the store's writer)."""
         try:
             running = asyncio.get_running_loop()
@@ -259,9 +293,9 @@ class GatheredLines(EncodedRecords):
             running = None
         if running is self.loop:
             raise RuntimeError("a commit's gathered lines are read on a thread of their own, not on the event loop")
-        for index, skip, keys in self.plan:
-            if keys:
-                yield WorkerLines(self, index, skip, keys)
+        sending = [(index, skip, keys) for index, skip, keys in self.plan if keys]
+        if sending:
+            yield WorkersLines(self, sending)
         yield from self.held
 
     def worker_runs(self, index: int, skip: list[int], keys: list[str]) -> Iterator[EncodedRun]:
@@ -287,29 +321,71 @@ class GatheredLines(EncodedRecords):
                 running.cancel()
 
 
-class WorkerLines(AppendedLines):
-    """One worker's kept lines: appended to the records file by the worker itself where the store's
-    sink allows it (a local file), else sent to the coordinator in chunks (runs)."""
+class WorkersLines(AppendedLines):
+    """Every worker's kept lines. Where the store's sink allows it (a local file), the workers append
+    them to the records file themselves, all at once, each write whole lines: each worker names where
+    its writes landed, and the writer reads them back in file order. Else (and for a worker that
+    cannot open the file) a worker after the other sends them to the coordinator in chunks (runs)."""
 
-    def __init__(self, gathered: GatheredLines, index: int, skip: list[int], keys: list[str]) -> None:
-        super().__init__(keys, f"worker {index}")
-        self.gathered, self.index, self.skip = gathered, index, skip
+    def __init__(self, gathered: GatheredLines, plan: list[tuple[int, list[int], list[str]]]) -> None:
+        super().__init__([key for _, _, keys in plan for key in keys], _workers_named(index for index, _, _ in plan))
+        self.gathered, self.plan = gathered, plan
 
-    def append_to(self, target: str) -> int | None:
+    def append_to(self, target: str) -> AppendedRegion | None:
         loop, append = self.gathered.loop, self.gathered.append
         if append is None:
             return None
-        running = asyncio.run_coroutine_threadsafe(append(self.index, self.skip, target), loop)
+
+        async def every_worker() -> list[Any]:
+            # every append runs to its end before a failure is raised: none writes on after the write failed
+            return await asyncio.gather(
+                *(append(index, skip, target) for index, skip, _ in self.plan), return_exceptions=True
+            )
+
+        running = asyncio.run_coroutine_threadsafe(every_worker(), loop)
         while True:
             try:
-                return running.result(timeout=1.0)
+                outcomes = running.result(timeout=1.0)
+                break
             except TimeoutError:
                 if loop.is_closed():
                     running.cancel()
                     raise CoordinatorUnavailable("the coordinator's event loop ended during a write") from None
+        failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+        if failure is not None:
+            raise failure
+        pieces: list[AppendedPiece] = []
+        left = []
+        for (index, skip, keys), written in zip(self.plan, outcomes, strict=True):
+            if written is None:
+                left.append((index, skip, keys))
+            else:
+                pieces.extend(_appended_pieces(index, keys, written))
+        if not pieces:
+            return None  # no worker could open the file: every line comes as runs
+        pieces.sort(key=lambda piece: piece.offset)
+        rest = (run for index, skip, keys in left for run in self.gathered.worker_runs(index, skip, keys))
+        return AppendedRegion(pieces, rest)
 
     def runs(self) -> Iterator[EncodedRun]:
-        return self.gathered.worker_runs(self.index, self.skip, self.episode_ids)
+        for index, skip, keys in self.plan:
+            yield from self.gathered.worker_runs(index, skip, keys)
+
+
+def _workers_named(indexes: Iterable[int]) -> str:
+    named = [str(index) for index in indexes]
+    return f"worker {named[0]}" if len(named) == 1 else f"workers {', '.join(named[:-1])} and {named[-1]}"
+
+
+def _appended_pieces(index: int, keys: list[str], written: list[tuple[int, int, int]]) -> list[AppendedPiece]:
+    """Worker ``index``'s writes as pieces of the records file, its ``keys`` in its order: every key once."""
+    pieces, taken, producer = [], 0, f"worker {index}"
+    for offset, length, count in written:
+        pieces.append(AppendedPiece(offset, length, keys[taken : taken + count], producer))
+        taken += count
+    if taken != len(keys):
+        raise InvalidCheckpointState(f"{producer} appended {taken} lines for the {len(keys)} records it exported")
+    return pieces
 
 
 #: where a worker appends its lines: its coordinator's descriptor of the records file, through /proc
@@ -323,12 +399,15 @@ def append_export(
     skip: Set[int],
     target: object,
     limit: int = CHUNK_BYTES,
-) -> tuple[int, int] | None:
-    """A worker's side of :meth:`WorkerLines.append_to`: its records (but those at a position in
+) -> list[tuple[int, int, int]] | None:
+    """A worker's side of :meth:`WorkersLines.append_to`: its records (but those at a position in
     ``skip``) encoded a chunk at a time (:func:`encode_export_chunk`) and appended to the file at
-    ``target``; the count and the bytes appended, or None when ``target`` cannot be opened here
-    (nothing appended: the coordinator asks for chunks instead). ``target`` must be a ``/proc``
-    descriptor entry of a regular file (:class:`InvalidRequest` otherwise)."""
+    ``target``, each chunk in one write (other workers append theirs meanwhile). Where each write
+    landed: ``(offset, length, count)`` (its first byte in the file, its bytes, its lines), in
+    order; None when ``target`` cannot be opened here (nothing appended: the coordinator asks for
+    chunks instead). ``target`` must be a ``/proc`` descriptor entry of a regular file
+    (:class:`InvalidRequest` otherwise); a write the kernel cut short fails the append
+    (:class:`InvalidCheckpointState`: another worker's lines may follow its first part)."""
     if not isinstance(target, str) or not _APPEND_TARGET.fullmatch(target):
         raise InvalidRequest(f"records are appended to a records file of this server's coordinator, not to {target!r}")
     try:
@@ -339,16 +418,22 @@ def append_export(
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise InvalidRequest(f"{target} is not a regular file: no records are appended to it")
-        count = size = start = 0
+        written: list[tuple[int, int, int]] = []
+        start = 0
         while start < len(records):
             episode_ids, lines, start = encode_export_chunk(records, start, kind, owner, limit, skip)
-            view = memoryview(lines)
-            while view:
-                view = view[os.write(fd, view) :]
-            count += len(episode_ids)
-            size += len(lines)
-            del lines, view
-        return count, size
+            if not lines:
+                continue
+            # O_APPEND: the kernel moves to the end and writes the whole buffer as one step, so no other
+            # worker's bytes land inside it; the descriptor's offset is then the end of this write
+            size = os.write(fd, lines)
+            if size != len(lines):
+                raise InvalidCheckpointState(
+                    f"the {kind} worker's append of {len(lines)} bytes to the records file wrote {size} (disk full?)"
+                )
+            written.append((os.lseek(fd, 0, os.SEEK_CUR) - size, size, len(episode_ids)))
+            del lines
+        return written
     finally:
         os.close(fd)
 

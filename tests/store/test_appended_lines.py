@@ -16,7 +16,7 @@ from gymckpt.store import _local as local_module
 from gymckpt.store import appended as appended_module
 from gymckpt.store import open_store
 from gymckpt.store.capabilities import APPENDING_FILESYSTEMS, filesystem_type
-from gymckpt.store.encoded import AppendedLines, EncodedRun, encoded
+from gymckpt.store.encoded import AppendedLines, AppendedPiece, AppendedRegion, EncodedRun, encoded
 from gymckpt.testing.values import assert_identical, sample_records
 
 
@@ -87,7 +87,7 @@ def test_a_sink_without_appends_takes_the_lines_as_runs(tmp_path) -> None:
 def test_more_bytes_appended_than_named_are_refused_and_nothing_is_published(tmp_path) -> None:
     store = open_store(str(tmp_path))
     appender = FileAppender(sample_records(12), tail=b'{"episode_id":"extra"}\n')
-    with pytest.raises(errors.StorageError, match=r"the test's appender appended \d+ bytes, not the \d+ it named"):
+    with pytest.raises(errors.StorageError, match=r"the test's appender appended \d+ bytes, not the \d+ named"):
         _write(store, "bad", [appender])
     assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
 
@@ -121,6 +121,109 @@ def test_a_filesystem_that_may_cache_sizes_per_descriptor_takes_the_lines_as_run
     manifest = _write(store, "runs", [appender])
     assert appender.targets == [] and appender.runs_taken == 1
     assert manifest.records_sha256 == _write(store, "plain", records).records_sha256
+
+
+class PiecesAppender(AppendedLines):
+    """Producers ``A`` and ``B`` appending at once: their pieces land in ``interleaving`` (a producer
+    name per piece, each producer's pieces in its own order); ``closed`` producers cannot open the
+    file and hand their lines over as runs. ``misplace`` shifts the first piece's named offset."""
+
+    def __init__(
+        self,
+        shares: dict[str, list[list[dict[str, Any]]]],
+        interleaving: list[str],
+        *,
+        closed: frozenset[str] = frozenset(),
+        misplace: int = 0,
+    ) -> None:
+        self.shares = {
+            name: [[encoded(record) for record in piece] for piece in pieces] for name, pieces in shares.items()
+        }
+        names = [line.episode_id for pieces in self.shares.values() for piece in pieces for line in piece]
+        super().__init__(names, "producers A and B")
+        self.interleaving, self.closed, self.misplace = interleaving, closed, misplace
+        self.order: list[str] = []  # the ids in file order, as appended
+
+    def append_to(self, target: str) -> AppendedRegion | None:
+        next_piece = {name: iter(pieces) for name, pieces in self.shares.items()}
+        pieces = []
+        with open(target, "ab") as file:
+            for name in self.interleaving:
+                if name in self.closed:
+                    continue
+                lines = next(next_piece[name])
+                data = b"".join(line.line for line in lines)
+                offset = file.seek(0, 2)
+                file.write(data)
+                file.flush()
+                ids = [line.episode_id for line in lines]
+                pieces.append(AppendedPiece(offset + self.misplace, len(data), ids, f"producer {name}"))
+                self.order += ids
+                self.misplace = 0
+        if not pieces:
+            return None
+        rest = [
+            EncodedRun([line.episode_id for line in piece], b"".join(line.line for line in piece))
+            for name in sorted(self.closed)
+            for piece in self.shares[name]
+        ]
+        self.order += [episode_id for run in rest for episode_id in run.episode_ids]
+        return AppendedRegion(pieces, rest)
+
+    def runs(self) -> Iterator[EncodedRun]:
+        for pieces in self.shares.values():
+            for piece in pieces:
+                yield EncodedRun([line.episode_id for line in piece], b"".join(line.line for line in piece))
+
+
+def _shares(records: list[dict[str, Any]]) -> dict[str, list[list[dict[str, Any]]]]:
+    """Producer A: three pieces of the first 18 records; producer B: two of the rest."""
+    return {"A": [records[:4], records[4:5], records[5:18]], "B": [records[18:25], records[25:]]}
+
+
+@pytest.mark.parametrize("closed", [frozenset(), frozenset({"B"})])
+def test_pieces_appended_at_once_are_taken_in_file_order(tmp_path, closed: frozenset[str]) -> None:
+    """Pieces of two producers, interleaved as they landed, make the file of the same records written
+    in that order; a producer that cannot open the file hands its lines over as runs, written after."""
+    store = open_store(str(tmp_path))
+    records = sample_records(30, payload=200)
+    appender = PiecesAppender(_shares(records), ["A", "B", "A", "B", "A"], closed=closed)
+    manifest = _write(store, "pieces", [appender])
+    by_id = {record["episode_id"]: record for record in records}
+    in_order = [by_id[episode_id] for episode_id in appender.order]
+    interleaved = [f"r{number}" for number in [*range(4), *range(18, 25), 4, *range(25, 30), *range(5, 18)]]
+    assert appender.order == (interleaved if not closed else [record["episode_id"] for record in records])
+    plain = _write(store, "plain", in_order)
+    assert manifest.episode_ids == plain.episode_ids and set(manifest.episode_ids) == set(appender.order)
+    assert manifest.records_sha256 == plain.records_sha256 and manifest.max_record_bytes == plain.max_record_bytes
+    assert_identical(in_order, list(store.read_participant("pieces", kind="k", instance="i")))
+
+
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [
+        ("misplaced", r"producer A named \d+ bytes at byte \d+ of the records file, where the appended lines go on"),
+        ("another_id", r"in the lines producer B appended: .*'intruder'"),
+        ("extra_ids", r"the appended pieces name more lines than the 30 records"),
+    ],
+)
+def test_pieces_that_are_not_where_or_what_they_say_are_refused_and_nothing_is_published(
+    tmp_path, how: str, error: str
+) -> None:
+    store = open_store(str(tmp_path))
+    records = sample_records(30)
+    shares = _shares(records)
+    if how == "another_id":
+        shares["B"][1] = [{**shares["B"][1][0], "episode_id": "intruder"}, *shares["B"][1][1:]]
+    appender = PiecesAppender(shares, ["A", "B", "A", "B", "A"], misplace=7 if how == "misplaced" else 0)
+    if how == "another_id":  # B names the record's own id, but its line is led by another
+        appender.shares["B"][1][0] = appender.shares["B"][1][0]._replace(episode_id=records[25]["episode_id"])
+    if how == "extra_ids":
+        appender.episode_ids = appender.episode_ids[:30]
+        appender.shares["A"][0].append(encoded(records[0] | {"episode_id": "one-more"}))
+    with pytest.raises(errors.InvalidRecord, match=error):
+        _write(store, "bad", [appender])
+    assert [path for path in tmp_path.rglob("*") if path.is_file()] == []
 
 
 MOUNTINFO = "\n".join(
