@@ -137,6 +137,7 @@ def _stack(request: dict[str, Any], token: str, workdir: Path) -> RayStack:
     spec["ray"] = {
         "cpus_per_server": float(request["cpus"]) / 2,
         "resources": {SERVER: {VICTIM: 0.01}},
+        "log_dir": f"{request['base']}/servers",
     }
     return RayStack(spec, address=request["address"])
 

@@ -320,6 +320,7 @@ async def _controller(request: dict[str, Any], outcome: RayDemoOutcome, progress
             "placement": "spread",
             "cpus_per_server": float(request["cpus"]) / 4,
             "checkpoint_dir": root,
+            "log_dir": f"{request['base']}/servers",  # each server's config and log, with the cluster's files
             "resources": {
                 "environment": {VICTIM: 0.01},
                 "agent": {VICTIM: 0.01},

@@ -282,7 +282,7 @@ class RayStack:
                 scheduling_strategy=strategy,
                 max_concurrency=4,  # wait_exit blocks one thread; stop and log_tail need others
                 max_restarts=0,
-            ).remote(name, cwd, environment)
+            ).remote(name, cwd, environment, self.options.log_dir)
             self.servers[name].dead = False
         wheres = self._get([server.actor.where.remote() for server in self.servers.values()], timeout, "answering")
         for server, where in zip(self.servers.values(), wheres, strict=True):
@@ -525,7 +525,14 @@ class RayStack:
 
     def _report(self, say: Callable[..., None]) -> None:
         for name, server in self.servers.items():
-            say(name, server.label, server.url, f"node {server.node_id[:8]}", f"workers {server.workers}")
+            say(
+                name,
+                server.label,
+                server.url,
+                f"node {server.node_id[:8]}",
+                f"workers {server.workers}",
+                f"log {server.log_path}",  # on that node
+            )
 
     # --- what RolloutHarness asks of a stack
 

@@ -37,13 +37,17 @@ STOP_TIMEOUT = 30.0
 class HostActor:
     """The Ray actor that holds one server on its node: its socket, its process group, its log."""
 
-    def __init__(self, name: str, cwd: str, environment: dict[str, str]) -> None:
+    def __init__(self, name: str, cwd: str, environment: dict[str, str], log_dir: str | None = None) -> None:
+        """``log_dir``: where this server's directory (its config and log) goes, made if missing
+        (None: the node's temp dir). A server stopped has it removed; one that died keeps it."""
         self.name = name
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         self.sock = socket.create_server((self.ip, 0), backlog=LISTEN_BACKLOG)
         self.sock.set_inheritable(True)
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"gymckpt-ray-{name}-"))
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"gymckpt-ray-{name}-", dir=log_dir))
         self.log_path = self.workdir / f"{name}.log"
         self.cwd = cwd if Path(cwd).is_dir() else str(self.workdir)
         self.environment = environment

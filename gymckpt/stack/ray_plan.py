@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: the keys of a stack file's ``ray:`` block
-RAY_KEYS = frozenset({"address", "placement", "cpus_per_server", "checkpoint_dir", "resources"})
+RAY_KEYS = frozenset({"address", "placement", "cpus_per_server", "checkpoint_dir", "resources", "log_dir"})
 PLACEMENTS = {"spread": "SPREAD", "pack": "PACK"}
 #: URL schemes of storage every node reaches over the network (no probe needed)
 OBJECT_STORE_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
@@ -53,6 +53,8 @@ class RayOptions:
     cpus_per_server: float = 1.0
     checkpoint_dir: str | None = None
     resources: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: where on its node each server keeps its config and log (None: a new directory in the node's temp dir)
+    log_dir: str | None = None
 
     @property
     def strategy(self) -> str:
@@ -79,6 +81,9 @@ class RayOptions:
         directory = block.get("checkpoint_dir")
         if directory is not None and (not isinstance(directory, str) or not directory):
             problems.append(("ray.checkpoint_dir", "must be an s3:// URL or a path every node sees"))
+        log_dir = block.get("log_dir")
+        if log_dir is not None and (not isinstance(log_dir, str) or not log_dir.startswith("/")):
+            problems.append(("ray.log_dir", "must be an absolute path, made on each node where a server runs"))
         resources = block.get("resources") or {}
         if not isinstance(resources, dict):
             problems.append(("ray.resources", "must map a server's name to {resource: amount}"))
@@ -103,6 +108,7 @@ class RayOptions:
             placement=str(placement),
             cpus_per_server=float(cpus),
             checkpoint_dir=directory,
+            log_dir=log_dir,
             resources={
                 name: {key: float(amount) for key, amount in wanted.items()} for name, wanted in resources.items()
             },

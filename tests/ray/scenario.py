@@ -30,6 +30,11 @@ TOKEN = "ray-token"
 WAIT = 120.0
 
 
+def _log_dir(request: dict[str, Any]) -> str:
+    """Where the scenario's servers keep their configs and logs: in the cluster's own directory."""
+    return f"{request['base']}/servers"
+
+
 def _cluster(request: dict[str, Any]) -> RayCluster:
     """A handle on the test's cluster, enough to kill its nodes (nothing is started here)."""
     cluster = RayCluster(Path(request["base"]), workers=len(request["node_ids"]) - 1)
@@ -61,6 +66,7 @@ def refuse(request: dict[str, Any]) -> dict[str, Any]:
             "placement": "spread",
             "cpus_per_server": 0.5,
             "checkpoint_dir": request["local_dir"],
+            "log_dir": _log_dir(request),
             # one server on each worker node: two nodes, whatever Ray's spread does
             "resources": {"a": {"node1": 0.01}, "b": {"node2": 0.01}},
         },
@@ -79,6 +85,7 @@ def refuse(request: dict[str, Any]) -> dict[str, Any]:
         stack.options = type(stack.options)(**{**stack.options.__dict__, "checkpoint_dir": "s3://bucket/run"})
         placed = stack.place()
         seen["accepted_nodes"] = sorted(set(placed.values()))
+        seen["logs"] = [str(server.log_path) for server in stack.servers.values()]
     seen["left_after_close"] = _ray_alive_state() if _connect(request["address"]) else None
     return seen
 
@@ -90,7 +97,7 @@ def avoid(request: dict[str, Any]) -> dict[str, Any]:
     names_of = {node_id: name for name, node_id in request["node_ids"].items()}
     avoided = request["node_ids"][request["avoid"]]
     spec = {
-        "ray": {"placement": "spread", "cpus_per_server": 0.5},
+        "ray": {"placement": "spread", "cpus_per_server": 0.5, "log_dir": _log_dir(request)},
         "servers": [{"name": f"s{index}", "kind": "counter"} for index in range(6)],
     }
     seen: dict[str, Any] = {}
@@ -158,6 +165,7 @@ async def _recover(request: dict[str, Any]) -> dict[str, Any]:
             "placement": "spread",
             "cpus_per_server": 0.5,
             "checkpoint_dir": root,
+            "log_dir": _log_dir(request),
             "resources": {"environment": {"worker": 0.01}},  # the environment starts on a worker node
         }
         directory = f"{root}/ck-1"
@@ -313,6 +321,7 @@ async def _drain_mid_checkpoint(request: dict[str, Any]) -> dict[str, Any]:
             "placement": "spread",
             "cpus_per_server": 0.5,
             "checkpoint_dir": "s3://ckpt/drain",
+            "log_dir": _log_dir(request),
             "resources": {"environment": {"node1": 0.01}, "agent": {"node1": 0.01}},
         }
         stack = RayStack(spec, address=request["address"])
@@ -398,7 +407,7 @@ def head(request: dict[str, Any]) -> dict[str, Any]:
     from gymckpt.stack.ray import RayStack
 
     spec = {
-        "ray": {"cpus_per_server": 0.5},
+        "ray": {"cpus_per_server": 0.5, "log_dir": _log_dir(request)},
         "servers": [{"name": "a", "kind": "counter"}, {"name": "b", "kind": "counter"}],
     }
     seen: dict[str, Any] = {}

@@ -49,6 +49,11 @@ def test_a_local_directory_is_refused_with_servers_on_two_nodes(
     # an S3 URL needs no probe: the same stack is placed on two nodes
     assert len(seen["accepted_nodes"]) == 2
     assert seen["left_after_close"] == {"actors": 0, "placement_groups": 0}
+    # each server kept its config and log under ray.log_dir; a stopped server's directory is removed
+    servers = cluster.base / "servers"
+    assert [Path(log).parent.parent for log in seen["logs"]] == [servers, servers], seen["logs"]
+    assert [Path(log).name for log in seen["logs"]] == ["a.log", "b.log"]
+    assert list(servers.iterdir()) == []
 
 
 def test_a_node_known_lost_gets_no_server_of_a_later_placement(
@@ -92,7 +97,11 @@ def test_ctrl_c_of_stack_up_ray_leaves_no_server_behind(
     stack_file.write_text(
         yaml.safe_dump(
             {
-                "ray": {"cpus_per_server": 0.5, "resources": {"one": {"node1": 0.01}, "two": {"node2": 0.01}}},
+                "ray": {
+                    "cpus_per_server": 0.5,
+                    "resources": {"one": {"node1": 0.01}, "two": {"node2": 0.01}},
+                    "log_dir": str(tmp_path / "logs"),
+                },
                 "servers": [
                     {"name": "one", "kind": "counter", "workers": 2},
                     {"name": "two", "kind": "counter"},
@@ -117,10 +126,13 @@ def test_ctrl_c_of_stack_up_ray_leaves_no_server_behind(
                 line = lines.get(timeout=1.0)
                 assert line is not None, f"stack up --ray exited {up.wait()}: {said}"
                 said.append(line)
-        # name, kind, URL, node, workers: one line per server
+        # name, kind, URL, node, workers, log: one line per server
         placed = {line.split("\t")[0]: line.split("\t") for line in said if line.startswith(("one\t", "two\t"))}
         assert set(placed) == {"one", "two"}, said
         assert placed["one"][3] != placed["two"][3], f"both on one node: {placed}"
+        for name, fields in placed.items():
+            log = Path(fields[5].removeprefix("log "))
+            assert log.name == f"{name}.log" and log.parent.parent == tmp_path / "logs", fields
         # each server's lifeline and supervisor, and the 2 workers of one: 6 processes once all started
         deadline = time.monotonic() + WAIT
         while len(_server_processes(cluster)) < 6:
@@ -130,6 +142,7 @@ def test_ctrl_c_of_stack_up_ray_leaves_no_server_behind(
             time.sleep(0.1)
         up.send_signal(signal.SIGINT)
         assert up.wait(WAIT) == 0
+        assert list((tmp_path / "logs").iterdir()) == []  # a stopped server's directory is removed
         deadline = time.monotonic() + WAIT
         while _server_processes(cluster):
             assert time.monotonic() < deadline, f"server processes left: {_server_processes(cluster)}"

@@ -28,10 +28,12 @@ def test_the_ray_block_is_read_with_its_defaults() -> None:
             "cpus_per_server": 2,
             "checkpoint_dir": "s3://b/run",
             "resources": {"inference": {"gpu_host": 1}},
+            "log_dir": "/var/log/gymckpt",
         },
         SERVERS,
     )
     assert options.strategy == "PACK" and options.cpus_per_server == 2.0
+    assert options.log_dir == "/var/log/gymckpt" and RayOptions().log_dir is None
     assert options.resources == {"inference": {"gpu_host": 1.0}}
 
 
@@ -45,6 +47,8 @@ def test_the_ray_block_is_read_with_its_defaults() -> None:
         ({"resources": {"agent": {"x": 1}}}, "ray.resources.agent", "names no server"),
         ({"resources": {"inference": {"x": -1}}}, "ray.resources.inference", "positive amount"),
         ({"checkpoint_dir": ""}, "ray.checkpoint_dir", "s3:// URL or a path"),
+        ({"log_dir": "logs"}, "ray.log_dir", "absolute path"),
+        ({"log_dir": 3}, "ray.log_dir", "absolute path"),
     ],
 )
 def test_a_bad_ray_block_is_refused_naming_the_key(block: dict[str, object], key: str, why: str) -> None:
