@@ -2,16 +2,17 @@
 
 Commit: a worker's ``export`` reply names its records (``[episode_id, owner]``, no state),
 so the coordinator can gather (:mod:`gymckpt.workers.gather`) before any line moves. The
-store's writer then iterates :class:`GatheredLines` on its own thread, one
+store's writer then iterates :class:`GatheredLines` on its own thread: one
 :class:`WorkersLines` for all the workers. Where the store's sink is a local file, the workers
 append their kept records to it themselves, all at once (``send_records`` with ``append_to``,
 :func:`append_export`: each write whole lines, and where it landed named), and the writer reads
-them back to check and hash them. Otherwise a worker after the other encodes them (each once, :func:`gymckpt.store.codec.encode_record`, each line copied
-into its chunk at once) into chunks of about :data:`CHUNK_BYTES` (:func:`encode_export_chunk`)
-and sends each as ``export_chunk``, its lines as bytes beside the ids, which reach the writer as
-one run (:class:`~gymckpt.store.encoded.EncodedRun`); a chunk is answered as it arrives while
-few wait for the writer, else once the writer takes it (:class:`LinePipe`): the coordinator
-holds a few chunks, never the records, and a worker holds one chunk beside its live state.
+them back to check and hash them. Otherwise a worker after the other encodes them (each once,
+:func:`gymckpt.store.codec.encode_record`, each line copied into its chunk at once) into chunks
+of about :data:`CHUNK_BYTES` (:func:`encode_export_chunk`) and sends each as ``export_chunk``,
+its lines as bytes beside the ids, which reach the writer as one run
+(:class:`~gymckpt.store.encoded.EncodedRun`); a chunk is answered as it arrives while few wait
+for the writer, else once the writer takes it (:class:`LinePipe`): the coordinator holds a few
+chunks, never the records, and a worker holds one chunk beside its live state.
 
 Restore: each worker reads its share from the records file itself (``install_share``), or the
 coordinator sends it as it reads the file (``install_chunk``, :mod:`gymckpt.workers.scatter`).
