@@ -17,7 +17,7 @@ from gymckpt.store.encoded import AppendedRegion, EncodedRun, note_run
 
 if TYPE_CHECKING:
     import hashlib
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
     from gymckpt.store.backend import BlobSink
     from gymckpt.store.encoded import AppendedLines, AppendedPiece
@@ -54,11 +54,12 @@ def take_appended(
     if appended is None:
         return None
     if isinstance(appended, AppendedRegion):
-        size, rest = appended.size, appended.rest
+        size = appended.size
         sink.adopt_appended(size, lines.producer)
-        longest = _take_pieces(
-            sink, appended.pieces, start, writer, (seen, episode_ids), longest, len(lines.episode_ids)
-        )
+        named = set(lines.episode_ids)
+        longest = _take_pieces(sink, appended.pieces, start, writer, (seen, episode_ids), longest, named)
+        appended_count = sum(len(piece.episode_ids) for piece in appended.pieces)
+        rest = _the_rest(appended.rest, named, len(named) - appended_count, lines.producer)
     else:
         size, rest = appended, ()
         sink.adopt_appended(size, lines.producer)
@@ -105,20 +106,20 @@ def _take_pieces(
     writer: Writer,
     taken_ids: tuple[set[str], list[str]],
     longest: int,
-    records: int,
+    named: set[str],
 ) -> int:
     """Read back the pieces several producers appended at once: they must follow each other from
-    ``start`` on, each holding exactly the lines it names."""
-    offset, named = start, 0
+    ``start`` on, each holding exactly the lines it names, all of them among ``named``."""
+    offset = start
     for piece in pieces:
         if piece.offset != offset:
             raise InvalidRecord(
                 f"{piece.producer} named {piece.length} bytes at byte {piece.offset} of the records file, "
                 f"where the appended lines go on at byte {offset}"
             )
-        named += len(piece.episode_ids)
-        if named > records:
-            raise InvalidRecord(f"the appended pieces name more lines than the {records} records of {piece.producer}'s")
+        if not named.issuperset(piece.episode_ids):
+            stray = next(episode_id for episode_id in piece.episode_ids if episode_id not in named)
+            raise InvalidRecord(f"{piece.producer} appended a line of {stray!r}, which is none of the records named")
         data = sink.read_appended(piece.offset, piece.length)
         if len(data) != piece.length:
             raise InvalidRecord(
@@ -127,6 +128,22 @@ def _take_pieces(
         longest = _note(EncodedRun(piece.episode_ids, data), piece.producer, writer, taken_ids, longest)
         offset += piece.length
     return longest
+
+
+def _the_rest(rest: Iterable[EncodedRun], named: set[str], missing: int, producer: str) -> Iterator[EncodedRun]:
+    """The runs of the lines that were not appended: exactly the ``missing`` ones of ``named`` (each
+    written once: the writer refuses an id seen before)."""
+    given = 0
+    for run in rest:
+        if not named.issuperset(run.episode_ids):
+            stray = next(episode_id for episode_id in run.episode_ids if episode_id not in named)
+            raise InvalidRecord(f"{producer} handed over a line of {stray!r}, which is none of the records named")
+        given += len(run.episode_ids)
+        yield run
+    if given != missing:
+        raise InvalidRecord(
+            f"{producer} appended or handed over {len(named) - missing + given} lines for the {len(named)} records named"
+        )
 
 
 def _note(run: EncodedRun, producer: str, writer: Writer, taken_ids: tuple[set[str], list[str]], longest: int) -> int:

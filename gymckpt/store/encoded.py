@@ -74,9 +74,9 @@ class AppendedPiece(NamedTuple):
 class AppendedRegion(NamedTuple):
     """What :meth:`AppendedLines.append_to` appended when several processes appended at once.
 
-    ``pieces``, in file order, must tile the bytes appended exactly; together they hold each of
-    :attr:`AppendedLines.episode_ids` at most once. ``rest`` hands over the lines that were not
-    appended (a process that could not open the file) as runs, written after the pieces.
+    ``pieces``, in file order, must tile the bytes appended exactly; ``rest`` hands over the lines
+    that were not appended (a process that could not open the file) as runs, written after the
+    pieces. Together they must hold each of :attr:`AppendedLines.episode_ids` once, and nothing else.
     """
 
     pieces: list[AppendedPiece]

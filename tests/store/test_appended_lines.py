@@ -204,7 +204,8 @@ def test_pieces_appended_at_once_are_taken_in_file_order(tmp_path, closed: froze
     [
         ("misplaced", r"producer A named \d+ bytes at byte \d+ of the records file, where the appended lines go on"),
         ("another_id", r"in the lines producer B appended: .*'intruder'"),
-        ("extra_ids", r"the appended pieces name more lines than the 30 records"),
+        ("extra_ids", r"producer A appended a line of 'one-more', which is none of the records named"),
+        ("short", r"producers A and B appended or handed over 29 lines for the 30 records named"),
     ],
 )
 def test_pieces_that_are_not_where_or_what_they_say_are_refused_and_nothing_is_published(
@@ -218,9 +219,13 @@ def test_pieces_that_are_not_where_or_what_they_say_are_refused_and_nothing_is_p
     appender = PiecesAppender(shares, ["A", "B", "A", "B", "A"], misplace=7 if how == "misplaced" else 0)
     if how == "another_id":  # B names the record's own id, but its line is led by another
         appender.shares["B"][1][0] = appender.shares["B"][1][0]._replace(episode_id=records[25]["episode_id"])
+        appender.episode_ids = [record["episode_id"] for record in records]
     if how == "extra_ids":
-        appender.episode_ids = appender.episode_ids[:30]
         appender.shares["A"][0].append(encoded(records[0] | {"episode_id": "one-more"}))
+    if how == "short":  # B, which cannot open the file, hands over one line fewer than it has
+        appender.closed = frozenset({"B"})
+        appender.shares["B"][1].pop()
+        appender.episode_ids = [*appender.episode_ids, records[-1]["episode_id"]]
     with pytest.raises(errors.InvalidRecord, match=error):
         _write(store, "bad", [appender])
     assert [path for path in tmp_path.rglob("*") if path.is_file()] == []

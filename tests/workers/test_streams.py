@@ -170,6 +170,39 @@ async def test_a_worker_lost_in_the_middle_of_its_lines_fails_the_commit_named_a
         assert two.lost == ["lost"]  # the worker took its coordinator as gone
 
 
+async def test_a_worker_that_cannot_open_the_records_file_sends_its_lines_after_the_others_appended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = link_module.append_export
+    refused: list[str] = []
+
+    def the_second_cannot(records: list[dict[str, Any]], kind: str, owner: Any, skip: Any, target: Any) -> Any:
+        if owner == ROUTING[1]:  # as a worker at its descriptor limit would
+            refused.append(owner)
+            return None
+        return real(records, kind, owner, skip, target)
+
+    monkeypatch.setattr(link_module, "append_export", the_second_cannot)
+    async with cluster(tmp_path, 2, routing_ids=ROUTING) as running:
+        chunks = _count_calls(running, "export_chunk")
+        for worker in running.workers:
+            for number in range(PER_WORKER):
+                worker.fake.start(f"w{worker.index}-{number}", _state(number))
+        one, two = running.workers
+        assert (await one.call("prepare", request("c1"))).json()["phase"] == "prepared"
+        reply = await one.call("commit", request("c1", checkpoint_dir=str(tmp_path / "ck")))
+        assert reply.status_code == 200, reply.text
+    assert refused == [ROUTING[1]]
+    assert set(chunks) == {two.index}  # only the worker that could not append sent chunks
+    manifest, data = _records_file(tmp_path / "ck")
+    lines = data.splitlines()
+    first = [line.split(b'"')[3].decode() for line in lines[:PER_WORKER]]
+    last = [line.split(b'"')[3].decode() for line in lines[PER_WORKER:]]
+    assert first == [f"w{one.index}-{number}" for number in range(PER_WORKER)]  # appended, then the chunks
+    assert last == [f"w{two.index}-{number}" for number in range(PER_WORKER)]
+    assert manifest.records_sha256 == hashlib.sha256(data).hexdigest()
+
+
 def _appending_wrongly(how: str) -> Any:
     """A worker's append that writes other bytes than it names: one line more, or another id."""
     real = link_module.append_export
