@@ -95,10 +95,9 @@ class Conversation:
     def from_boundary(cls, boundary: object) -> Conversation:
         """The conversation a materialised boundary describes (None: a new one)."""
         conversation = cls()
+        boundary = _boundary_object(boundary, "conversation")
         if boundary is None:
             return conversation
-        if not isinstance(boundary, dict):
-            raise AgentError(f"a conversation boundary must be an object, not {type(boundary).__name__}")
         conversation.messages = list(boundary.get("messages") or [])
         conversation.expected = int(boundary.get("expected") or 0)
         activation = boundary.get("activation")
@@ -209,10 +208,9 @@ class RunState:
     @classmethod
     def from_boundary(cls, boundary: object) -> RunState:
         state = cls()
+        boundary = _boundary_object(boundary, "run")
         if boundary is None:
             return state
-        if not isinstance(boundary, dict):
-            raise AgentError(f"a run boundary must be an object, not {type(boundary).__name__}")
         state.seeded = bool(boundary.get("seeded"))
         state.verify_mode = str(boundary.get("verify_mode") or "wait")
         state.verify = boundary.get("verify")
@@ -230,6 +228,13 @@ class RunState:
     def apply_verify(self, reply: dict[str, Any]) -> RunSnapshot:
         self.verify = reply
         return self.wrap(self.conversation.snapshot())
+
+
+def _boundary_object(boundary: object, what: str) -> dict[str, Any] | None:
+    """A materialised boundary: None (nothing yet) or an object (:class:`AgentError` otherwise)."""
+    if boundary is not None and not isinstance(boundary, dict):
+        raise AgentError(f"a {what} boundary must be an object, not {type(boundary).__name__}")
+    return boundary
 
 
 def same_snapshot(snapshot: ConversationSnapshot) -> object:

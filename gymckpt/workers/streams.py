@@ -361,7 +361,7 @@ class WorkersLines(AppendedLines):
             if written is None:
                 left.append((index, skip, keys))
             else:
-                pieces.extend(_appended_pieces(index, keys, written))
+                pieces.extend(_worker_pieces(index, keys, written))
         if not pieces:
             return None  # no worker could open the file: every line comes as runs
         pieces.sort(key=lambda piece: piece.offset)
@@ -378,7 +378,7 @@ def _workers_named(indexes: Iterable[int]) -> str:
     return f"worker {named[0]}" if len(named) == 1 else f"workers {', '.join(named[:-1])} and {named[-1]}"
 
 
-def _appended_pieces(index: int, keys: list[str], written: list[tuple[int, int, int]]) -> list[AppendedPiece]:
+def _worker_pieces(index: int, keys: list[str], written: list[tuple[int, int, int]]) -> list[AppendedPiece]:
     """Worker ``index``'s writes as pieces of the records file, its ``keys`` in its order: every key once."""
     pieces, taken, producer = [], 0, f"worker {index}"
     for offset, length, count in written:
