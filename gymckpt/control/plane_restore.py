@@ -253,13 +253,17 @@ class ScopeRecords:
         """True when :meth:`lines` can read the file (gymckpt's own format; a reference one is decoded)."""
         return not self.manifest.is_reference
 
-    def lines(self, *, rekeyed: bool = True) -> Iterator[tuple[str, bytes]]:
+    def lines(
+        self, *, rekeyed: bool = True, spans: dict[str, tuple[int, int, int]] | None = None
+    ) -> Iterator[tuple[str, bytes]]:
         """``(key, line)`` of the scope's records, undecoded, each line's leading id rewritten to its next
         attempt (``rekeyed``; else the line as read, for a reader of the other fields); the whole file
         is verified as :meth:`__iter__` does (the lines' JSON past the id is checked by whoever decodes
-        them). Only where :attr:`lines_readable`."""
+        them). ``spans`` gets each line's ``(offset, length)`` by stored id, for readers of a line's bytes
+        alone (:meth:`~gymckpt.store.checkpoint_store.CheckpointStore.read_spans`). Only where
+        :attr:`lines_readable`."""
         keys = []
-        for episode_id, line in self.store.read_lines(self.manifest, scope=self.scope):
+        for episode_id, line in self.store.read_lines(self.manifest, scope=self.scope, spans=spans):
             key = self.next_keys[episode_id]
             keys.append(key)
             yield key, rekeyed_line(line, key) if rekeyed else line

@@ -12,6 +12,7 @@ from gymckpt.store.participant import (
     commit_participant,
     iter_manifest_lines,
     iter_manifest_records,
+    iter_manifest_spans,
     load_manifest,
     restore_participant,
 )
@@ -166,11 +167,24 @@ class CheckpointStore:
         scope_set = None if scope is None else frozenset(scope)
         return iter_manifest_records(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size)
 
-    def read_lines(self, manifest: Manifest, *, scope: Collection[str] | None = None) -> Iterator[tuple[str, bytes]]:
+    def read_lines(
+        self,
+        manifest: Manifest,
+        *,
+        scope: Collection[str] | None = None,
+        spans: dict[str, tuple[int, int, int]] | None = None,
+    ) -> Iterator[tuple[str, bytes]]:
         """Stream ``(episode_id, line)`` of the lines in ``scope``, undecoded, verifying the whole file as
-        :meth:`read_records` does (gymckpt's own format only: check ``manifest.is_reference`` first)."""
+        :meth:`read_records` does (gymckpt's own format only: check ``manifest.is_reference`` first);
+        ``spans`` gets each yielded line's ``(offset, length)``, for :meth:`read_spans`."""
         scope_set = None if scope is None else frozenset(scope)
-        return iter_manifest_lines(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size)
+        return iter_manifest_lines(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size, spans=spans)
+
+    def read_spans(self, manifest: Manifest, spans: Iterable[tuple[str, int, int, int]]) -> Iterator[tuple[str, bytes]]:
+        """``(episode_id, line)`` at each ``(episode_id, offset, length)`` span, in file order: lines of a file
+        :meth:`read_lines` verified whole in this restore, each checked as a line but not hashed again
+        (:func:`~gymckpt.store.spans.read_spans`)."""
+        return iter_manifest_spans(self.backend, manifest, spans)
 
     def publish(
         self, checkpoint_dir: str, manifests: Iterable[Manifest], *, extra: dict[str, Any] | None = None

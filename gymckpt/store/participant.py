@@ -33,6 +33,7 @@ from gymckpt.store.records import (
     read_records,
     write_records,
 )
+from gymckpt.store.spans import read_spans
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Collection, Iterable, Iterator
@@ -48,6 +49,7 @@ __all__ = [
     "expected_records",
     "iter_manifest_lines",
     "iter_manifest_records",
+    "iter_manifest_spans",
     "load_manifest",
     "read_manifest_file",
     "restore_participant",
@@ -207,12 +209,25 @@ def iter_manifest_lines(
     *,
     scope: Collection[str] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    spans: dict[str, tuple[int, int, int]] | None = None,
 ) -> Iterator[tuple[str, bytes]]:
     """Stream a manifest's lines in ``scope`` undecoded, as ``(episode_id, line)``, verifying the whole
     file (see :func:`~gymckpt.store.records.read_lines`; gymckpt's own format only)."""
     yield from _manifest_stream(
-        backend, manifest, lambda stream, expected: read_lines(stream, expected, scope=scope, chunk_size=chunk_size)
+        backend,
+        manifest,
+        lambda stream, expected: read_lines(stream, expected, scope=scope, chunk_size=chunk_size, spans=spans),
     )
+
+
+def iter_manifest_spans(
+    backend: StorageBackend, manifest: Manifest, spans: Iterable[tuple[str, int, int, int]]
+) -> Iterator[tuple[str, bytes]]:
+    """The lines at ``(episode_id, offset, length)`` spans of a manifest's records file that was verified
+    whole before (see :func:`~gymckpt.store.spans.read_spans`; gymckpt's own format only)."""
+    if manifest.is_reference:
+        raise ValueError("spans are of gymckpt's own records format")
+    yield from _manifest_stream(backend, manifest, lambda stream, expected: read_spans(stream, expected, spans))
 
 
 def _manifest_stream(

@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import queue
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -518,9 +519,12 @@ def read_lines(
     *,
     scope: Collection[str] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    spans: dict[str, tuple[int, int, int]] | None = None,
 ) -> Iterator[tuple[str, bytes]]:
     """Yield ``(episode_id, line)`` for the lines in ``scope`` (all when None), undecoded, while verifying
-    the whole file as :func:`read_records` does.
+    the whole file as :func:`read_records` does; ``spans``, where given, gets each yielded line's
+    ``(offset, length, crc32)`` in the file, its newline included in the length, not in the CRC-32
+    (for :func:`~gymckpt.store.spans.read_spans`).
 
     For a reader that hands lines on as they are (a server's coordinator sending each worker
     its share): no record is decoded here. Each line is ``bytes`` without its newline; only its
@@ -540,6 +544,7 @@ def read_lines(
     episode_ids: list[str] = []
     damage: LineDamage | None = None
     line_number = 0
+    offset = 0  # of the next line; past damage it is no longer known, and the read fails at its end
     try:
         for lines in lines_of(reader.chunks(), limit):
             for line in lines:
@@ -555,8 +560,12 @@ def read_lines(
                     damage = type(exc), f"line {line_number}: {exc.reason}"
                     continue
                 episode_ids.append(episode_id)
+                length = len(line) + 1
                 if scope is None or episode_id in scope:
+                    if spans is not None:
+                        spans[episode_id] = (offset, length, zlib.crc32(line))
                     yield episode_id, bytes(line)
+                offset += length
     finally:
         reader.cancel()
         reader.join()

@@ -188,8 +188,9 @@ class RecordsAcrossWorkers:
         lines: Callable[..., Iterable[tuple[str, bytes]]] | None = (
             getattr(records, "lines", None) if getattr(records, "lines_readable", False) else None
         )
+        spans: dict[str, tuple[int, int, int]] = {}  # each line's place in the file, for the workers' own reads
         if lines is not None:
-            held, placed = await asyncio.to_thread(survey_lines, lines(rekeyed=False), self._line_holds)
+            held, placed = await asyncio.to_thread(survey_lines, lines(rekeyed=False, spans=spans), self._line_holds)
         else:
             held, placed = await asyncio.to_thread(survey, records, self._holds)
         routing = {index: worker.routing_id for index, worker in self.workers.items()}
@@ -203,7 +204,7 @@ class RecordsAcrossWorkers:
         self.owner_aliases = {old: new for old, new in plan.aliases.items() if old != new}
         stream = next(self._streams)
         if plan.targets and lines is not None and self._workers_read(plan, records, manifest):
-            await self._send_shares(stream, plan, records, manifest)
+            await self._send_shares(stream, plan, records, manifest, spans)
         elif plan.targets:
             loop = asyncio.get_running_loop()
 
@@ -234,9 +235,17 @@ class RecordsAcrossWorkers:
             and all(index in self.workers and self.workers[index].reads_store for index in plan.counts)
         )
 
-    async def _send_shares(self, stream: int, plan: ScatterPlan, records: Any, manifest: Manifest | None) -> None:
-        """Tell each worker its share; the workers read the records file at once, each keeping its own."""
-        shares = share_lists(plan, records.next_keys)
+    async def _send_shares(
+        self,
+        stream: int,
+        plan: ScatterPlan,
+        records: Any,
+        manifest: Manifest | None,
+        spans: Mapping[str, tuple[int, int, int]],
+    ) -> None:
+        """Tell each worker its share and where each of its lines is in the file (which the survey verified
+        whole); the workers read their lines at once, each only its own."""
+        shares = share_lists(plan, records.next_keys, spans)
         base = {"stream": stream, "checkpoint_dir": records.store.url, "manifest": manifest_body(manifest)}
         bodies = {index: {**base, "share": share} for index, share in shares.items()}
         replies = await self._call_each(bodies, Message.INSTALL_SHARE, timeout=None, lost_fails=True)

@@ -70,18 +70,21 @@ __all__ = ["CONNECT_RETRY_SECONDS", "WorkerLink", "local_report", "terminate_thi
 
 
 def _read_share(store: CheckpointStore, manifest: Manifest, share: list[Any]) -> dict[int, dict[str, Any]]:
-    """This worker's share of the records file (its thread; the whole file is verified)."""
+    """This worker's share of the records file, only its lines (its thread; the coordinator verified the
+    whole file, each line is checked as a line and decoded here)."""
     for entry in share:
         if not (
             isinstance(entry, list)
-            and len(entry) == 4
+            and len(entry) == 7
             and isinstance(entry[0], str)
             and isinstance(entry[1], str)
-            and type(entry[2]) is int
             and (entry[3] is None or isinstance(entry[3], str))
+            and all(type(number) is int for number in (entry[2], *entry[4:]))
         ):
-            raise InvalidRequest("a share's records are [stored id, key, position, owner | null]")
-    return read_share(store.read_lines(manifest, scope={entry[0] for entry in share}), share)
+            raise InvalidRequest(
+                "a share's records are [stored id, key, position, owner | null, offset, length, crc32]"
+            )
+    return read_share(store.read_spans(manifest, [(entry[0], *entry[4:]) for entry in share]), share)
 
 
 logger = logging.getLogger(__name__)
@@ -549,7 +552,8 @@ class WorkerLink:
         return {}
 
     async def _on_install_share(self, body: object) -> dict[str, Any]:
-        """Read this worker's share of a restore from the records file itself (verified whole), and keep it."""
+        """Read this worker's share of a restore from the records file itself (its lines only, where the
+        coordinator's verified read found them), and keep it."""
         if self.open_store is None:
             raise InvalidRequest("this worker does not open the store: send its share in chunks")
         stream = _field(body, "stream", int)

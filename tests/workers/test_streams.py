@@ -15,6 +15,7 @@ import random
 import re
 import string
 import tracemalloc
+import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -424,7 +425,8 @@ async def test_shares_go_in_chunks_unless_every_worker_reads_the_store(tmp_path:
 async def test_a_file_damaged_before_a_worker_reads_its_share_fails_the_restore_typed_with_nothing_installed(
     tmp_path: Path,
 ) -> None:
-    """Each worker verifies the whole file as it reads its share: damage after the coordinator's read is caught."""
+    """Each worker checks its lines against the CRC-32 the coordinator's verified read took of them: a line
+    changed after that read fails the restore."""
     records = _session_records(2 * PER_WORKER)
     _write_sessions(tmp_path / "ck", records)
     manifest, data = _records_file(tmp_path / "ck", kind="resources")
@@ -443,7 +445,7 @@ async def test_a_file_damaged_before_a_worker_reads_its_share_fails_the_restore_
         assert reply.status_code == 422, reply.text
         assert error_code(reply) == "invalid_checkpoint_state"
         detail = reply.json()["error"]["detail"]
-        assert "did not complete install_share" in detail and "hashes to" in detail
+        assert "did not complete install_share" in detail and "changed since the file was verified" in detail
         assert all(worker.fake.installed == [] for worker in running.workers)
         assert all(worker.link._staging.records == {} for worker in running.workers)
 
@@ -463,8 +465,14 @@ def test_a_share_read_from_the_file_is_what_the_chunks_would_carry() -> None:
     sent: dict[int, list[list[Any]]] = {}
     rekeyed = [(next_keys[stored_id], rekeyed_line(line, next_keys[stored_id])) for stored_id, line in stored]
     scatter_lines(rekeyed, plan, lambda index, chunk: sent.setdefault(index, []).extend(chunk))
-    shares = share_lists(plan, next_keys)
+    spans, offset = {}, 0
+    for stored_id, line in stored:
+        spans[stored_id] = (offset, len(line) + 1, zlib.crc32(line))
+        offset += len(line) + 1
+    shares = share_lists(plan, next_keys, spans)
     assert sorted(shares) == sorted(plan.counts)
+    for share in shares.values():
+        assert [tuple(entry[4:]) for entry in share] == sorted(spans[entry[0]] for entry in share)
     for index, share in shares.items():
         got = read_share(stored, share)
         want = {position: decode_line(line.encode("utf-8")) for position, line in sent[index]}
