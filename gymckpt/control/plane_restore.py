@@ -259,7 +259,7 @@ class ScopeRecords:
         """``(key, line)`` of the scope's records, undecoded, each line's leading id rewritten to its next
         attempt (``rekeyed``; else the line as read, for a reader of the other fields); the whole file
         is verified as :meth:`__iter__` does (the lines' JSON past the id is checked by whoever decodes
-        them). ``spans`` gets each line's ``(offset, length)`` by stored id, for readers of a line's bytes
+        them). ``spans`` gets each line's ``(offset, length, crc32)`` by stored id, for readers of its bytes
         alone (:meth:`~gymckpt.store.checkpoint_store.CheckpointStore.read_spans`). Only where
         :attr:`lines_readable`."""
         keys = []

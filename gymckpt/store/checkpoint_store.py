@@ -176,14 +176,14 @@ class CheckpointStore:
     ) -> Iterator[tuple[str, bytes]]:
         """Stream ``(episode_id, line)`` of the lines in ``scope``, undecoded, verifying the whole file as
         :meth:`read_records` does (gymckpt's own format only: check ``manifest.is_reference`` first);
-        ``spans`` gets each yielded line's ``(offset, length)``, for :meth:`read_spans`."""
+        ``spans`` gets each yielded line's ``(offset, length, crc32)``, for :meth:`read_spans`."""
         scope_set = None if scope is None else frozenset(scope)
         return iter_manifest_lines(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size, spans=spans)
 
     def read_spans(self, manifest: Manifest, spans: Iterable[tuple[str, int, int, int]]) -> Iterator[tuple[str, bytes]]:
-        """``(episode_id, line)`` at each ``(episode_id, offset, length)`` span, in file order: lines of a file
-        :meth:`read_lines` verified whole in this restore, each checked as a line but not hashed again
-        (:func:`~gymckpt.store.spans.read_spans`)."""
+        """``(episode_id, line)`` at each ``(episode_id, offset, length, crc32)`` span, in file order: lines of
+        a file :meth:`read_lines` verified whole in this restore, each checked as a line and against the
+        CRC-32 that read took, not hashed again (:func:`~gymckpt.store.spans.read_spans`)."""
         return iter_manifest_spans(self.backend, manifest, spans)
 
     def publish(

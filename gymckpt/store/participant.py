@@ -223,8 +223,8 @@ def iter_manifest_lines(
 def iter_manifest_spans(
     backend: StorageBackend, manifest: Manifest, spans: Iterable[tuple[str, int, int, int]]
 ) -> Iterator[tuple[str, bytes]]:
-    """The lines at ``(episode_id, offset, length)`` spans of a manifest's records file that was verified
-    whole before (see :func:`~gymckpt.store.spans.read_spans`; gymckpt's own format only)."""
+    """The lines at ``(episode_id, offset, length, crc32)`` spans of a manifest's records file that was
+    verified whole before (see :func:`~gymckpt.store.spans.read_spans`; gymckpt's own format only)."""
     if manifest.is_reference:
         raise ValueError("spans are of gymckpt's own records format")
     yield from _manifest_stream(backend, manifest, lambda stream, expected: read_spans(stream, expected, spans))
