@@ -1,4 +1,4 @@
-"""read_spans: the lines a verified read located, read back alone (S4, W5).
+"""read_spans: the lines a verified read located, read back alone (S4, W2).
 
 A server's coordinator verifies a records file whole (read_lines, which names each line's
 span and CRC-32); each worker then reads only its share's lines. A span is checked as a line
