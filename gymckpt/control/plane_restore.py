@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from gymckpt.control.participant import Participant
     from gymckpt.store import CheckpointStore
     from gymckpt.store.manifest import Manifest
+    from gymckpt.store.spans import LineSpan
 
 __all__ = ["OpenRestore", "RestoreRoutes"]
 
@@ -253,9 +254,7 @@ class ScopeRecords:
         """True when :meth:`lines` can read the file (gymckpt's own format; a reference one is decoded)."""
         return not self.manifest.is_reference
 
-    def lines(
-        self, *, rekeyed: bool = True, spans: dict[str, tuple[int, int, int]] | None = None
-    ) -> Iterator[tuple[str, bytes]]:
+    def lines(self, *, rekeyed: bool = True, spans: dict[str, LineSpan] | None = None) -> Iterator[tuple[str, bytes]]:
         """``(key, line)`` of the scope's records, undecoded, each line's leading id rewritten to its next
         attempt (``rekeyed``; else the line as read, for a reader of the other fields); the whole file
         is verified as :meth:`__iter__` does (the lines' JSON past the id is checked by whoever decodes

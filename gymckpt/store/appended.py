@@ -117,9 +117,7 @@ def _take_pieces(
                 f"{piece.producer} named {piece.length} bytes at byte {piece.offset} of the records file, "
                 f"where the appended lines go on at byte {offset}"
             )
-        if not named.issuperset(piece.episode_ids):
-            stray = next(episode_id for episode_id in piece.episode_ids if episode_id not in named)
-            raise InvalidRecord(f"{piece.producer} appended a line of {stray!r}, which is none of the records named")
+        _refuse_strays(piece.episode_ids, named, f"{piece.producer} appended")
         data = sink.read_appended(piece.offset, piece.length)
         if len(data) != piece.length:
             raise InvalidRecord(
@@ -135,15 +133,20 @@ def _the_rest(rest: Iterable[EncodedRun], named: set[str], missing: int, produce
     written once: the writer refuses an id seen before)."""
     given = 0
     for run in rest:
-        if not named.issuperset(run.episode_ids):
-            stray = next(episode_id for episode_id in run.episode_ids if episode_id not in named)
-            raise InvalidRecord(f"{producer} handed over a line of {stray!r}, which is none of the records named")
+        _refuse_strays(run.episode_ids, named, f"{producer} handed over")
         given += len(run.episode_ids)
         yield run
     if given != missing:
         raise InvalidRecord(
             f"{producer} appended or handed over {len(named) - missing + given} lines for the {len(named)} records named"
         )
+
+
+def _refuse_strays(episode_ids: Iterable[str], named: set[str], who_did: str) -> None:
+    """Refuse lines of an id that is none of ``named``, naming the first (``who_did``: "worker 1 appended")."""
+    if not named.issuperset(episode_ids):
+        stray = next(episode_id for episode_id in episode_ids if episode_id not in named)
+        raise InvalidRecord(f"{who_did} a line of {stray!r}, which is none of the records named")
 
 
 def _note(run: EncodedRun, producer: str, writer: Writer, taken_ids: tuple[set[str], list[str]], longest: int) -> int:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from gymckpt.store.manifest import Manifest
     from gymckpt.store.publication import CheckpointIndex
     from gymckpt.store.records import WriteStop
+    from gymckpt.store.spans import LineSpan, Span
 
 __all__ = ["CheckpointStore", "backend_for_url", "open_store"]
 
@@ -172,7 +173,7 @@ class CheckpointStore:
         manifest: Manifest,
         *,
         scope: Collection[str] | None = None,
-        spans: dict[str, tuple[int, int, int]] | None = None,
+        spans: dict[str, LineSpan] | None = None,
     ) -> Iterator[tuple[str, bytes]]:
         """Stream ``(episode_id, line)`` of the lines in ``scope``, undecoded, verifying the whole file as
         :meth:`read_records` does (gymckpt's own format only: check ``manifest.is_reference`` first);
@@ -180,7 +181,7 @@ class CheckpointStore:
         scope_set = None if scope is None else frozenset(scope)
         return iter_manifest_lines(self.backend, manifest, scope=scope_set, chunk_size=self.chunk_size, spans=spans)
 
-    def read_spans(self, manifest: Manifest, spans: Iterable[tuple[str, int, int, int]]) -> Iterator[tuple[str, bytes]]:
+    def read_spans(self, manifest: Manifest, spans: Iterable[Span]) -> Iterator[tuple[str, bytes]]:
         """``(episode_id, line)`` at each ``(episode_id, offset, length, crc32)`` span, in file order: lines of
         a file :meth:`read_lines` verified whole in this restore, each checked as a line and against the
         CRC-32 that read took, not hashed again (:func:`~gymckpt.store.spans.read_spans`)."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from gymckpt.store.backend import StorageBackend
     from gymckpt.store.encoded import PreEncoded
+    from gymckpt.store.spans import LineSpan, Span
 
 T = TypeVar("T")
 
@@ -209,7 +210,7 @@ def iter_manifest_lines(
     *,
     scope: Collection[str] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    spans: dict[str, tuple[int, int, int]] | None = None,
+    spans: dict[str, LineSpan] | None = None,
 ) -> Iterator[tuple[str, bytes]]:
     """Stream a manifest's lines in ``scope`` undecoded, as ``(episode_id, line)``, verifying the whole
     file (see :func:`~gymckpt.store.records.read_lines`; gymckpt's own format only)."""
@@ -221,7 +222,7 @@ def iter_manifest_lines(
 
 
 def iter_manifest_spans(
-    backend: StorageBackend, manifest: Manifest, spans: Iterable[tuple[str, int, int, int]]
+    backend: StorageBackend, manifest: Manifest, spans: Iterable[Span]
 ) -> Iterator[tuple[str, bytes]]:
     """The lines at ``(episode_id, offset, length, crc32)`` spans of a manifest's records file that was
     verified whole before (see :func:`~gymckpt.store.spans.read_spans`; gymckpt's own format only)."""

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from gymckpt.errors import InvalidCheckpointState
     from gymckpt.store.backend import BlobSink
     from gymckpt.store.lines import LineDamage
+    from gymckpt.store.spans import LineSpan
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -519,7 +520,7 @@ def read_lines(
     *,
     scope: Collection[str] | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-    spans: dict[str, tuple[int, int, int]] | None = None,
+    spans: dict[str, LineSpan] | None = None,
 ) -> Iterator[tuple[str, bytes]]:
     """Yield ``(episode_id, line)`` for the lines in ``scope`` (all when None), undecoded, while verifying
     the whole file as :func:`read_records` does; ``spans``, where given, gets each yielded line's

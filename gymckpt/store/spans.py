@@ -30,9 +30,11 @@ if TYPE_CHECKING:
 
     from gymckpt.store.records import RecordsCheck
 
-__all__ = ["SPAN_GAP", "SPAN_READ", "Span", "read_spans"]
+__all__ = ["SPAN_GAP", "SPAN_READ", "LineSpan", "Span", "read_spans"]
 
-#: ``(episode_id, offset, length, crc32)`` of one line: its length with the newline, its CRC-32 without
+#: ``(offset, length, crc32)`` of one line in its records file: its length with the newline, its CRC-32 without
+LineSpan = tuple[int, int, int]
+#: a line's :data:`LineSpan` with the episode id it holds first
 Span = tuple[str, int, int, int]
 
 #: spans closer than this are read in one call, the bytes between them dropped

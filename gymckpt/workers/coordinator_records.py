@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from gymckpt.errors import GymckptError
     from gymckpt.store.encoded import EncodedRecord
     from gymckpt.store.manifest import Manifest
+    from gymckpt.store.spans import LineSpan
     from gymckpt.workers.coordinator import ConnectedWorker
     from gymckpt.workers.gather import Gathered
     from gymckpt.workers.scatter import Holds, ScatterPlan
@@ -188,7 +189,7 @@ class RecordsAcrossWorkers:
         lines: Callable[..., Iterable[tuple[str, bytes]]] | None = (
             getattr(records, "lines", None) if getattr(records, "lines_readable", False) else None
         )
-        spans: dict[str, tuple[int, int, int]] = {}  # each line's place in the file, for the workers' own reads
+        spans: dict[str, LineSpan] = {}  # each line's place in the file, for the workers' own reads
         if lines is not None:
             held, placed = await asyncio.to_thread(survey_lines, lines(rekeyed=False, spans=spans), self._line_holds)
         else:
@@ -241,7 +242,7 @@ class RecordsAcrossWorkers:
         plan: ScatterPlan,
         records: Any,
         manifest: Manifest | None,
-        spans: Mapping[str, tuple[int, int, int]],
+        spans: Mapping[str, LineSpan],
     ) -> None:
         """Tell each worker its share and where each of its lines is in the file (which the survey verified
         whole); the workers read their lines at once, each only its own."""

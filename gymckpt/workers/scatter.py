@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     import concurrent.futures
     from collections.abc import Iterable, Iterator, Mapping
 
+    from gymckpt.store.spans import LineSpan
+
 __all__ = [
     "ChunkSender",
     "ScatterPlan",
@@ -347,7 +349,7 @@ def _stamped_planned(lines: Iterable[tuple[str, bytes]], plan: ScatterPlan) -> I
 
 
 def share_lists(
-    plan: ScatterPlan, next_keys: Mapping[str, str], spans: Mapping[str, tuple[int, int, int]]
+    plan: ScatterPlan, next_keys: Mapping[str, str], spans: Mapping[str, LineSpan]
 ) -> dict[int, list[list[Any]]]:
     """Each worker's share for its own read of the records file (:func:`read_share`):
     ``[stored id, key, position, owner to stamp | None, offset, length, crc32]`` per record, in file

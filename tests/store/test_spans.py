@@ -16,7 +16,7 @@ import pytest
 from gymckpt import errors
 from gymckpt.store import spans as spans_module
 from gymckpt.store.records import RecordsCheck, read_lines
-from gymckpt.store.spans import read_spans
+from gymckpt.store.spans import LineSpan, read_spans
 
 from ..support import ALL_BACKENDS
 from .test_read_lines import _file as records_file
@@ -38,7 +38,7 @@ def _file(records: list[dict[str, Any]] = RECORDS) -> tuple[bytes, RecordsCheck]
 
 def _located(data: bytes, check: RecordsCheck, scope: set[str] | None = None) -> tuple[dict[str, bytes], dict]:
     """The lines read_lines yields (verified whole) and the spans it names."""
-    spans: dict[str, tuple[int, int, int]] = {}
+    spans: dict[str, LineSpan] = {}
     lines = dict(read_lines(io.BytesIO(data), check, scope=scope, chunk_size=97, spans=spans))
     return lines, spans
 
@@ -81,7 +81,7 @@ def _span(data: bytes, offset: int, length: int, episode_id: str) -> tuple[str, 
     return episode_id, offset, length, zlib.crc32(data[offset : offset + length - 1])
 
 
-def _refusals(data: bytes, spans: dict[str, tuple[int, int, int]]) -> list[Any]:
+def _refusals(data: bytes, spans: dict[str, LineSpan]) -> list[Any]:
     a, b = (("e1", *spans["e1"]), ("e2", *spans["e2"]))
     return [
         ("changed since the file was verified", errors.RecordsDigestMismatch, [(*a[:3], a[3] ^ 1)]),
@@ -130,7 +130,7 @@ def test_a_store_reads_the_spans_its_verified_read_named(store: CheckpointStore)
     read_spans reads them back."""
     store.write_participant("ck", kind="resources", instance="r", records=RECORDS, checkpoint_id="ck-1")
     manifest = store.read_manifest("ck", kind="resources", instance="r")
-    spans: dict[str, tuple[int, int, int]] = {}
+    spans: dict[str, LineSpan] = {}
     lines = dict(store.read_lines(manifest, scope={"e3", "e30", "b"}, spans=spans))
     got = list(store.read_spans(manifest, [(episode_id, *span) for episode_id, span in spans.items()]))
     assert got == [("e3", lines["e3"]), ("e30", lines["e30"]), ("b", lines["b"])]
