@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-__all__ = ["cpu_snapshot", "filesystem", "others_share", "positive", "warn_if_disturbed"]
+__all__ = ["cpu_snapshot", "filesystem", "others_share", "positive", "warn_if_disturbed", "write_fsync_seconds"]
 
 #: above this share of the CPUs kept busy by other processes, a run's figures are called disturbed
 DISTURBED_SHARE = 0.10
@@ -32,6 +32,32 @@ def filesystem(path: str | Path) -> str:
     except OSError:
         return "?"
     return f"{best[1]} on {best[2]} (mounted at {best[0]})"
+
+
+#: the buffer :func:`write_fsync_seconds` writes again and again
+_WRITE_CHUNK = 4 << 20
+
+
+def write_fsync_seconds(directory: str | Path, size: int) -> float:
+    """Seconds to write ``size`` bytes to a new file in ``directory`` and fsync it, the file removed after.
+
+    What this machine's page cache and disk take for the bytes a commit wrote, measured right
+    after it: on a virtual machine, memory the guest never touched before is several times
+    slower to fill than memory it reuses, so one figure alone does not say which it was.
+    """
+    block = os.urandom(min(_WRITE_CHUNK, max(size, 1)))
+    path = os.path.join(os.fspath(directory), f".write-fsync-{os.getpid()}-{time.monotonic_ns()}")
+    began = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        left = size
+        while left > 0:
+            left -= os.write(fd, block[:left] if left < len(block) else block)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return time.perf_counter() - began
 
 
 def cpu_snapshot() -> tuple[float, float, float]:

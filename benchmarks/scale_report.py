@@ -198,6 +198,10 @@ def render_sessions(columns: dict[str, SessionsRun], console: Console) -> None:
             f"commit s (≤ {TARGETS['sessions_commit']})",
             lambda run: _mark(run.commit_seconds, TARGETS["sessions_commit"]),
         ),
+        (
+            "the same bytes, written + fsynced alone s",
+            lambda run: f"{run.write_fsync_seconds:.3f}" if run.write_fsync_seconds else "–",
+        ),
         ("fresh server answers s (after the crash)", lambda run: f"{run.restart_seconds:.2f}"),
         (
             f"restore s (≤ {TARGETS['sessions_restore']})",

@@ -23,6 +23,7 @@ Ray node and loses that node instead of SIGKILLing the process.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import shutil
 import tempfile
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from benchmarks.machine import write_fsync_seconds
 from benchmarks.scale_memory import MemoryWindow, PhaseMemory
 from benchmarks.scale_sampling import participant_lines
 from gymckpt.control.coordination import Coordinator
@@ -80,6 +82,9 @@ class SessionsRun:
     create_seconds: float = 0.0
     prepare_seconds: float = 0.0
     commit_seconds: float = 0.0
+    #: the same bytes written to a new file beside the checkpoint and fsynced, right after the commit
+    #: (0: not measured, the checkpoint is not on a local path)
+    write_fsync_seconds: float = 0.0
     restore_seconds: float = 0.0
     #: from the crash to a fresh server answering (before the restore)
     restart_seconds: float = 0.0
@@ -287,6 +292,10 @@ class SessionsPhases:
             f"prepare {run.prepare_seconds:.3f} s, commit {run.commit_seconds:.3f} s: "
             f"{run.records:,} records, {run.bytes_written:,} bytes; published"
         )
+        if "://" not in self.directory:
+            beside = os.path.dirname(self.directory)
+            run.write_fsync_seconds = await asyncio.to_thread(write_fsync_seconds, beside, run.bytes_written)
+            self._say(f"the same bytes written and fsynced alone, beside it: {run.write_fsync_seconds:.3f} s")
 
     async def _restore(self, gym: Coordinator) -> None:
         run = self.figures

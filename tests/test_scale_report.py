@@ -66,6 +66,7 @@ def test_sessions_runs_stand_side_by_side_each_in_its_column() -> None:
     local = SessionsRun(sessions=1_000, session_bytes=350_000, workers=1, ok=True, commit_seconds=0.7)
     ray = SessionsRun(sessions=1_000, session_bytes=350_000, workers=1, error="the Ray cluster did not start")
     local.restart_seconds, ray.restart_seconds = 1.05, 3.86
+    local.write_fsync_seconds = 0.25
     text = _text(render_sessions, {"one machine": local, "three Ray nodes": ray})
     header = next(line for line in text.splitlines() if "one machine" in line)
     assert header.index("one machine") < header.index("three Ray nodes")
@@ -74,6 +75,8 @@ def test_sessions_runs_stand_side_by_side_each_in_its_column() -> None:
     assert "failed: the Ray cluster did not start" in text
     row = next(line for line in text.splitlines() if "fresh server answers" in line)
     assert "1.05" in row and "3.86" in row
+    row = next(line for line in text.splitlines() if "written and fsynced alone" in line)
+    assert "0.250" in row and row.rstrip(" │").endswith("–")  # the failed run wrote nothing to compare
 
 
 def test_a_window_counts_the_cpu_seconds_its_processes_spent_inside_it() -> None:
