@@ -75,7 +75,7 @@ def test_sessions_runs_stand_side_by_side_each_in_its_column() -> None:
     assert "failed: the Ray cluster did not start" in text
     row = next(line for line in text.splitlines() if "fresh server answers" in line)
     assert "1.05" in row and "3.86" in row
-    row = next(line for line in text.splitlines() if "written and fsynced alone" in line)
+    row = next(line for line in text.splitlines() if "written + fsynced alone" in line)
     assert "0.250" in row and row.rstrip(" │").endswith("–")  # the failed run wrote nothing to compare
 
 
