@@ -76,6 +76,7 @@ def test_the_command_line_runs_scenario_b_and_writes_its_figures(tmp_path: Path)
     assert (sessions["ok"], sessions["lost"], sessions["differing"]) == (True, 0, 0)
     assert (sessions["sessions"], sessions["records"]) == (4, 4)
     assert sessions["bytes_written"] > 4 * 20_000
+    assert sessions["write_fsync_seconds"] > 0  # the machine's own write of those bytes, beside the checkpoint
     for phase in ("commit", "restore"):
         (memory,) = sessions["memory"][phase].values()
         assert memory["records_bytes"] == sessions["bytes_written"]
