@@ -49,7 +49,7 @@ def test_a_restore_without_a_commit_window_says_nothing_of_it() -> None:
     assert line.rstrip(" │").endswith("–")
 
 
-def test_seconds_are_judged_by_each_run_s_own_target() -> None:
+def test_seconds_are_judged_against_each_runs_own_target() -> None:
     one = ScaleRun("a", 1, 16_000, ok=True, commit_seconds=1.1, restore_seconds=0.9)
     two = ScaleRun("a", 2, 16_000, ok=True, commit_seconds=1.1, restore_seconds=1.35)
     s3 = ScaleRun("c", 1, 16_000, store="s3", ok=True, commit_seconds=2.5, restore_seconds=0.9)
