@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from typing import TYPE_CHECKING
+
+from benchmarks import primitives
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -34,29 +37,24 @@ def filesystem(path: str | Path) -> str:
     return f"{best[1]} on {best[2]} (mounted at {best[0]})"
 
 
-#: the buffer :func:`write_fsync_seconds` writes again and again
-_WRITE_CHUNK = 4 << 20
-
-
 def write_fsync_seconds(directory: str | Path, size: int) -> float:
-    """Seconds to write ``size`` bytes to a new file in ``directory`` and fsync it, the file removed after.
+    """Seconds to write ``size`` bytes to a new file in ``directory`` and fsync it
+    (:func:`benchmarks.primitives.write_fsync`), the file removed after.
 
     What this machine's page cache and disk take for the bytes a commit wrote, measured right
     after it: on a virtual machine, memory the guest never touched before is several times
     slower to fill than memory it reuses, so one figure alone does not say which it was.
     """
-    block = os.urandom(min(_WRITE_CHUNK, max(size, 1)))
+    block = os.urandom(min(primitives.WRITE_BUFFER, size))
+    whole, rest = divmod(size, len(block)) if block else (0, 0)
+    pieces = [block] * whole + ([block[:rest]] if rest else [])  # one block, named again and again
     path = os.path.join(os.fspath(directory), f".write-fsync-{os.getpid()}-{time.monotonic_ns()}")
     began = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        left = size
-        while left > 0:
-            left -= os.write(fd, block[:left] if left < len(block) else block)
-        os.fsync(fd)
+        primitives.write_fsync(path, pieces)
     finally:
-        os.close(fd)
-        os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     return time.perf_counter() - began
 
 

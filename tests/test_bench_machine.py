@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import machine
+from benchmarks import machine, primitives
 
 
 @pytest.mark.parametrize("size", [0, 1, (4 << 20) - 1, (4 << 20) + 12_345])
@@ -21,7 +21,7 @@ def test_it_writes_exactly_the_bytes_fsyncs_them_and_leaves_nothing(
         synced.append(os.fstat(fd).st_size)
         real_fsync(fd)
 
-    monkeypatch.setattr(machine.os, "fsync", fsync)
+    monkeypatch.setattr(primitives.os, "fsync", fsync)
     seconds = machine.write_fsync_seconds(tmp_path, size)
     assert synced == [size]
     assert seconds > 0
@@ -29,10 +29,12 @@ def test_it_writes_exactly_the_bytes_fsyncs_them_and_leaves_nothing(
 
 
 def test_a_failed_write_still_removes_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(fd: int, data: bytes) -> int:
+    def full(path: str, lines: list[bytes]) -> None:  # the file made and partly written, then the disk full
+        with open(path, "wb") as stream:
+            stream.write(lines[0][:100])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(machine.os, "write", full)
+    monkeypatch.setattr(primitives, "write_fsync", full)
     with pytest.raises(OSError, match="No space left"):
         machine.write_fsync_seconds(tmp_path, 1 << 20)
     assert list(tmp_path.iterdir()) == []
